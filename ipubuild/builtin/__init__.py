@@ -1,0 +1,1 @@
+"""ipubuild's own features, written as plugins against ``ipubuild.hookspecs``."""

@@ -1,0 +1,61 @@
+"""The built-in FP8 cast policies: matmul operands in F143 (default) or F152, each tensor with a
+power-of-two scale chosen from its absolute maximum on the target's example input."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import fp8, hookimpl
+from ..ir import CastStoragePolicy, Graph, Op
+from ..operators import registry
+
+#: operators whose listed inputs are cast to FP8 (by input position)
+FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context": (0, 1)}
+
+
+def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: str) -> CastStoragePolicy:
+    """Cast every FP8 operand: constants are stored in FP8 directly, activations get a cast op
+    right after their producer. Scales come from calibration on the example inputs."""
+    from ..reference import evaluate
+    calibrated = evaluate(graph, constants, inputs, keep_all=True)
+
+    def scale(vid):
+        if params.get("scaling") == "none":
+            return 0
+        return fp8.scale_exp_for(float(np.nanmax(np.abs(calibrated[vid]))), fmt)
+
+    casts: dict[int, int] = {}
+    producer_index = {v: i for i, op in enumerate(graph.ops) for v in op.outputs}
+    for op in list(graph.ops):
+        for pos in FP8_OPERANDS.get(op.type, ()):
+            vid = op.inputs[pos]
+            v = graph.values[vid]
+            if v.dtype != "f32":
+                continue
+            if vid in graph.constants:
+                s = scale(vid)
+                constants[vid] = fp8.encode(constants[vid], fmt, s)
+                v.dtype, v.scale_exp = fmt, s
+                continue
+            if vid not in casts:
+                s = scale(vid)
+                out = graph.value(f"{v.name}.{fmt}", v.shape, fmt, s)
+                cast = Op(0, "cast", f"cast_{v.name}", [vid], [out], {"to": fmt, "scale_exp": s})
+                graph.insert_before(producer_index.get(vid, -1) + 1, cast)
+                producer_index = {v2: i for i, o in enumerate(graph.ops) for v2 in o.outputs}
+                casts[vid] = out
+            op.inputs[pos] = casts[vid]
+    reg = registry()
+    for op in graph.ops:   # re-infer: operand dtypes changed
+        for vid, (shape, dtype, s) in zip(op.outputs, reg.get(op.type).infer_types(graph, op)):
+            graph.values[vid].shape, graph.values[vid].dtype = tuple(shape), dtype
+            if op.type != "cast":
+                graph.values[vid].scale_exp = s
+    st = params.get("storage", {})
+    return CastStoragePolicy(st.get("default", "separate"), dict(st.get("operators", {})),
+                             dict(st.get("sites", {})))
+
+
+@hookimpl
+def ipubuild_cast_policies():
+    return {"f143": lambda g, c, i, p: place_casts(g, c, i, p, "f143"),
+            "f152": lambda g, c, i, p: place_casts(g, c, i, p, "f152")}

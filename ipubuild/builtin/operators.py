@@ -1,0 +1,528 @@
+"""The built-in operators of ipubuild, with their C kernels and cycle estimators."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .. import fp8, hookimpl
+from ..ir import FP8
+from ..operators import (KernelVariant, Lowering, Operator, TileWork, ceil_div, f32_bits, key,
+                         split)
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+TYPE_CODE = {"f32": "IPU_F32", "f16": "IPU_F16", "f143": "IPU_F143", "f152": "IPU_F152"}
+
+
+# cycle estimators: cycles(args, machine) for one vertex ---------------------------------------
+def _c(machine) -> dict:
+    return machine["compute"]
+
+
+def matmul_cycles(dtype):
+    def cycles(args, machine):
+        m, k, n = args[3], args[4], args[5]
+        c = _c(machine)
+        return (c["vertex_overhead_cycles"] + ceil_div(m * k * n, c["amp_macs_per_cycle"][dtype])
+                + ceil_div(m * n * 2, c["vector_flops_per_cycle"]))
+    return cycles
+
+
+def elementwise_cycles(count, flops_per_element, transcendentals=0):
+    def cycles(args, machine):
+        c = _c(machine)
+        n = count(args)
+        return (c["vertex_overhead_cycles"] + ceil_div(n * flops_per_element, c["vector_flops_per_cycle"])
+                + ceil_div(n * transcendentals * c["transcendental_cycles"], machine["workers"]))
+    return cycles
+
+
+def copy_cycles(args, machine):
+    c = _c(machine)
+    return c["vertex_overhead_cycles"] + args[2] + ceil_div(args[2] * args[3], c["copy_bytes_per_cycle"])
+
+
+def _variant(name, source, cycles, **defines):
+    return KernelVariant(name, KERNELS / source, tuple(sorted(defines.items())), cycles)
+
+
+MATMUL_TYPES = [("f143", "f143"), ("f143", "f152"), ("f152", "f143"), ("f152", "f152"),
+                ("f16", "f16"), ("f32", "f32")]
+CAST_TYPES = [("f32", "f143"), ("f32", "f152"), ("f143", "f32"), ("f152", "f32"), ("f32", "f16"),
+              ("f16", "f32")]
+
+
+def _rows_plans(rows: int, tile_count: int) -> list[dict]:
+    counts, n = [], min(rows, tile_count)
+    while n >= 1:
+        counts.append(n)
+        n //= 2
+    return [{"rows": c} for c in counts]
+
+
+def _rows_work(rows: int, plan: dict, fn) -> list[TileWork]:
+    return [fn(t, r0, r1) for t, (r0, r1) in enumerate(split(rows, plan["rows"]))]
+
+
+# operators -------------------------------------------------------------------------------------
+class RowwiseOperator(Operator):
+    """An operator whose tiles each take a range of output rows."""
+
+    def plans(self, graph, op, tile_count):
+        return _rows_plans(graph.values[op.outputs[0]].rows, tile_count)
+
+
+class Cast(RowwiseOperator):
+    name = "cast"
+
+    def infer(self, graph, op):
+        x = graph.values[op.inputs[0]]
+        to = op.attrs["to"]
+        if (x.dtype, to) not in CAST_TYPES:
+            raise ValueError(f"no cast from {x.dtype} to {to}; supported: {CAST_TYPES}")
+        return [(x.shape, to, op.attrs.get("scale_exp", 0) if to in FP8 else 0)]
+
+    def reference(self, graph, op, inputs):
+        x, src, to = inputs[0], graph.values[op.inputs[0]], op.attrs["to"]
+        if to in FP8:
+            return [fp8.encode(x, to, op.attrs.get("scale_exp", 0))]
+        if src.dtype in FP8:
+            return [fp8.decode(x, src.dtype, src.scale_exp)]
+        if to == "f16":
+            return [x.astype(np.float16)]
+        return [x.astype(np.float32)]
+
+    def lower(self, graph, op, plan):
+        x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+        scale = y.scale_exp if y.dtype in FP8 else x.scale_exp if x.dtype in FP8 else 0
+
+        def work(t, r0, r1):
+            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
+                            [(f"cast_{x.dtype}_{y.dtype}", [("r", 0, 0), ("w", 0, 0),
+                                                             (r1 - r0) * x.cols, scale & 0xFFFFFFFF])])
+        return Lowering([_rows_work(x.rows, plan, work)])
+
+    def kernels(self):
+        return [_variant(f"cast_{s}_{d}", "cast.c", elementwise_cycles(lambda a: a[2], 2),
+                         SRC_TYPE=TYPE_CODE[s], DST_TYPE=TYPE_CODE[d]) for s, d in CAST_TYPES]
+
+
+class Add(RowwiseOperator):
+    name = "add"
+
+    def infer(self, graph, op):
+        a, b = (graph.values[i] for i in op.inputs)
+        if a.dtype != "f32" or b.dtype != "f32":
+            raise ValueError(f"add takes f32 values, got {a.dtype} and {b.dtype}")
+        if b.shape != a.shape and not (b.cols == a.cols and b.rows == 1):
+            raise ValueError(f"cannot add {b.name} of shape {list(b.shape)} to {a.name} of shape "
+                             f"{list(a.shape)}; expected {list(a.shape)} or [1, {a.cols}]")
+        return [(a.shape, "f32", 0)]
+
+    def reference(self, graph, op, inputs):
+        a, b = inputs
+        return [(a.reshape(-1, a.shape[-1]) + b.reshape(-1, a.shape[-1])).reshape(a.shape).astype(np.float32)]
+
+    def lower(self, graph, op, plan):
+        a, b = (graph.values[i] for i in op.inputs)
+        c = graph.values[op.outputs[0]]
+        bcast = b.rows == 1 and a.rows != 1
+
+        def work(t, r0, r1):
+            brows = (0, 1) if bcast else (r0, r1)
+            return TileWork(t, [(key(a.id), r0, r1, 0, a.cols), (key(b.id), *brows, 0, b.cols)],
+                            [(key(c.id), r0, r1, 0, c.cols)],
+                            [("add_f32", [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, a.cols,
+                                          1 if bcast else r1 - r0])])
+        return Lowering([_rows_work(a.rows, plan, work)])
+
+    def kernels(self):
+        return [_variant("add_f32", "add.c", elementwise_cycles(lambda a: a[3] * a[4], 1))]
+
+
+class LayerNorm(RowwiseOperator):
+    name = "layernorm"
+
+    def infer(self, graph, op):
+        x, g, b = (graph.values[i] for i in op.inputs)
+        if x.dtype != "f32" or g.shape != (x.cols,) or b.shape != (x.cols,):
+            raise ValueError(f"layernorm needs f32 x and gamma/beta of shape [{x.cols}], got "
+                             f"{list(g.shape)} and {list(b.shape)}")
+        return [(x.shape, "f32", 0)]
+
+    def reference(self, graph, op, inputs):
+        x, g, b = inputs
+        mean = x.mean(axis=-1, keepdims=True, dtype=np.float32)
+        var = ((x - mean) ** 2).mean(axis=-1, keepdims=True, dtype=np.float32)
+        return [((x - mean) / np.sqrt(var + np.float32(op.attrs["eps"])) * g + b).astype(np.float32)]
+
+    def lower(self, graph, op, plan):
+        x, g, b = (graph.values[i] for i in op.inputs)
+        y = graph.values[op.outputs[0]]
+
+        def work(t, r0, r1):
+            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols), (key(g.id), 0, 1, 0, x.cols),
+                                (key(b.id), 0, 1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
+                            [("layernorm_f32", [("r", 0, 0), ("r", 1, 0), ("r", 2, 0), ("w", 0, 0),
+                                                r1 - r0, x.cols, f32_bits(op.attrs["eps"])])])
+        return Lowering([_rows_work(x.rows, plan, work)])
+
+    def kernels(self):
+        return [_variant("layernorm_f32", "layernorm.c",
+                         elementwise_cycles(lambda a: a[4] * a[5], 5, 0))]
+
+
+class Softmax(RowwiseOperator):
+    name = "softmax"
+
+    def infer(self, graph, op):
+        x = graph.values[op.inputs[0]]
+        if x.dtype != "f32":
+            raise ValueError(f"softmax takes f32, got {x.dtype}")
+        return [(x.shape, "f32", 0)]
+
+    def reference(self, graph, op, inputs):
+        x = inputs[0] * np.float32(op.attrs.get("scale", 1.0))
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        return [(e / e.sum(axis=-1, keepdims=True)).astype(np.float32)]
+
+    def lower(self, graph, op, plan):
+        x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+
+        def work(t, r0, r1):
+            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
+                            [("softmax_f32", [("r", 0, 0), ("w", 0, 0), r1 - r0, x.cols,
+                                              f32_bits(op.attrs.get("scale", 1.0))])])
+        return Lowering([_rows_work(x.rows, plan, work)])
+
+    def kernels(self):
+        return [_variant("softmax_f32", "softmax.c", elementwise_cycles(lambda a: a[2] * a[3], 4, 1))]
+
+
+class Gelu(RowwiseOperator):
+    name = "gelu"
+
+    def infer(self, graph, op):
+        x = graph.values[op.inputs[0]]
+        if x.dtype != "f32":
+            raise ValueError(f"gelu takes f32, got {x.dtype}")
+        return [(x.shape, "f32", 0)]
+
+    def reference(self, graph, op, inputs):
+        x = inputs[0]
+        c = np.float32(0.7978845608)
+        return [(np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x))))
+                .astype(np.float32)]
+
+    def lower(self, graph, op, plan):
+        x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+
+        def work(t, r0, r1):
+            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
+                            [("gelu_f32", [("r", 0, 0), ("w", 0, 0), (r1 - r0) * x.cols])])
+        return Lowering([_rows_work(x.rows, plan, work)])
+
+    def kernels(self):
+        return [_variant("gelu_f32", "gelu.c", elementwise_cycles(lambda a: a[2], 6, 1))]
+
+
+class Patchify(Operator):
+    """Image ``[H, W*C]`` (rows of pixels, channels last) to patches ``[(H/P)*(W/P), P*P*C]``."""
+    name = "patchify"
+
+    def infer(self, graph, op):
+        x = graph.values[op.inputs[0]]
+        p, c = op.attrs["patch"], op.attrs["channels"]
+        h, wc = x.shape
+        if h % p or wc % (p * c):
+            raise ValueError(f"image of shape {list(x.shape)} does not divide into {p}x{p} patches "
+                             f"of {c} channels")
+        return [(((h // p) * (wc // (p * c)), p * p * c), x.dtype, x.scale_exp)]
+
+    def reference(self, graph, op, inputs):
+        x = inputs[0]
+        p, c = op.attrs["patch"], op.attrs["channels"]
+        h, wc = x.shape
+        w = wc // c
+        img = x.reshape(h // p, p, w // p, p, c)
+        return [np.ascontiguousarray(img.transpose(0, 2, 1, 3, 4).reshape((h // p) * (w // p), p * p * c))]
+
+    def plans(self, graph, op, tile_count):
+        x = graph.values[op.inputs[0]]
+        return _rows_plans(x.rows // op.attrs["patch"], tile_count)
+
+    def lower(self, graph, op, plan):
+        x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+        p, c = op.attrs["patch"], op.attrs["channels"]
+        wc = x.cols
+        npw = wc // (p * c)
+        size = x.itemsize
+        work = []
+        for t, (a, b) in enumerate(split(x.rows // p, plan["rows"])):
+            verts = [("copy", [("r", 0, (pr * p * wc + pj * p * c) * size),
+                               ("w", 0, (pr * npw + pj) * p * p * c * size),
+                               p, p * c * size, wc * size, p * c * size])
+                     for pr in range(b - a) for pj in range(npw)]
+            work.append(TileWork(t, [(key(x.id), a * p, b * p, 0, wc)],
+                                 [(key(y.id), a * npw, b * npw, 0, y.cols)], verts))
+        return Lowering([work])
+
+    def kernels(self):
+        return [_variant("copy", "copy.c", copy_cycles)]
+
+
+class ConcatRows(RowwiseOperator):
+    """``[a; b]``: the rows of ``a`` then the rows of ``b`` (e.g. the class token, then patches)."""
+    name = "concat_rows"
+
+    def infer(self, graph, op):
+        a, b = (graph.values[i] for i in op.inputs)
+        if a.cols != b.cols or a.dtype != b.dtype:
+            raise ValueError(f"cannot stack {a.name} {list(a.shape)} {a.dtype} on "
+                             f"{b.name} {list(b.shape)} {b.dtype}")
+        return [((a.rows + b.rows, a.cols), a.dtype, a.scale_exp)]
+
+    def reference(self, graph, op, inputs):
+        a, b = inputs
+        return [np.concatenate([a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])])]
+
+    def lower(self, graph, op, plan):
+        a, b = (graph.values[i] for i in op.inputs)
+        y = graph.values[op.outputs[0]]
+        rb = y.cols * y.itemsize
+
+        def work(t, r0, r1):
+            reads, verts = [], []
+            if r0 < a.rows:
+                reads.append((key(a.id), r0, min(r1, a.rows), 0, a.cols))
+                verts.append(("copy", [("r", 0, 0), ("w", 0, 0), min(r1, a.rows) - r0, rb, rb, rb]))
+            if r1 > a.rows:
+                s0 = max(r0, a.rows)
+                reads.append((key(b.id), s0 - a.rows, r1 - a.rows, 0, b.cols))
+                verts.append(("copy", [("r", len(reads) - 1, 0), ("w", 0, (s0 - r0) * rb),
+                                       r1 - s0, rb, rb, rb]))
+            return TileWork(t, reads, [(key(y.id), r0, r1, 0, y.cols)], verts)
+        return Lowering([_rows_work(y.rows, plan, work)])
+
+    def kernels(self):
+        return [_variant("copy", "copy.c", copy_cycles)]
+
+
+class SliceRows(RowwiseOperator):
+    name = "slice_rows"
+
+    def infer(self, graph, op):
+        x = graph.values[op.inputs[0]]
+        s, e = op.attrs["start"], op.attrs["end"]
+        if not 0 <= s < e <= x.rows:
+            raise ValueError(f"rows {s}:{e} are outside {x.name} with {x.rows} rows")
+        return [((e - s, x.cols), x.dtype, x.scale_exp)]
+
+    def reference(self, graph, op, inputs):
+        x = inputs[0]
+        return [np.ascontiguousarray(x.reshape(-1, x.shape[-1])[op.attrs["start"]:op.attrs["end"]])]
+
+    def lower(self, graph, op, plan):
+        x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+        s, rb = op.attrs["start"], x.cols * x.itemsize
+
+        def work(t, r0, r1):
+            return TileWork(t, [(key(x.id), s + r0, s + r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
+                            [("copy", [("r", 0, 0), ("w", 0, 0), r1 - r0, rb, rb, rb])])
+        return Lowering([_rows_work(y.rows, plan, work)])
+
+    def kernels(self):
+        return [_variant("copy", "copy.c", copy_cycles)]
+
+
+def _decode(x, v):
+    return fp8.decode(x, v.dtype, 0) if v.dtype in FP8 else x.astype(np.float32)
+
+
+def _matmul_reference(a, av, b, bv, trans_b=False):
+    b = _decode(b, bv)
+    out = _decode(a, av) @ (b.T if trans_b else b)
+    return (out * np.float32(2.0 ** -(av.scale_exp + bv.scale_exp))).astype(np.float32)
+
+
+class MatMul(Operator):
+    """``A[M,K] @ B[K,N] (+ bias[N])`` with f32 accumulation; B is a constant or activation."""
+    name = "matmul"
+
+    def infer(self, graph, op):
+        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
+            raise ValueError(f"cannot multiply {a.name} {list(a.shape)} by {b.name} {list(b.shape)}")
+        if (a.dtype, b.dtype) not in MATMUL_TYPES:
+            raise ValueError(f"no matmul for {a.dtype} x {b.dtype}; supported: {MATMUL_TYPES}")
+        if len(op.inputs) == 3 and graph.values[op.inputs[2]].shape != (b.shape[1],):
+            raise ValueError(f"bias must have shape [{b.shape[1]}]")
+        return [((a.shape[0], b.shape[1]), "f32", 0)]
+
+    def reference(self, graph, op, inputs):
+        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        out = _matmul_reference(inputs[0], a, inputs[1], b)
+        if len(inputs) == 3:
+            out = (out + inputs[2]).astype(np.float32)
+        return [out]
+
+    def plans(self, graph, op, tile_count):
+        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
+        out = []
+        for k in (1, 2, 4, 8):
+            for m in _pow2(min(m_, tile_count)):
+                for n in _pow2(min(n_, tile_count)):
+                    if m * n * k <= tile_count and k <= k_ // 16:
+                        out.append({"m": m, "n": n, "k": k})
+        # default first: all tiles, no K split, the squarest blocks
+        out.sort(key=lambda p: (-(p["m"] * p["n"] * p["k"]), p["k"],
+                                abs(math.log2(max(1, m_ // p["m"]) / max(1, n_ // p["n"])))))
+        return out
+
+    def lower(self, graph, op, plan):
+        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        bias = graph.values[op.inputs[2]] if len(op.inputs) == 3 else None
+        y = graph.values[op.outputs[0]]
+        m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
+        rows, cols, ks = split(m_, plan["m"]), split(n_, plan["n"]), split(k_, plan["k"])
+        kname = f"matmul_{a.dtype}_{b.dtype}"
+        temp = f"t{op.id}.0"
+        stage1, stage2 = [], []
+        for i, (r0, r1) in enumerate(rows):
+            for j, (c0, c1) in enumerate(cols):
+                for l, (k0, k1) in enumerate(ks):
+                    t = (i * len(cols) + j) * len(ks) + l
+                    reads = [(key(a.id), r0, r1, k0, k1), (key(b.id), k0, k1, c0, c1)]
+                    bias_arg = 0
+                    if bias is not None and l == 0:
+                        reads.append((key(bias.id), 0, 1, c0, c1))
+                        bias_arg = ("r", 2, 0)
+                    out = ((key(y.id), r0, r1, c0, c1) if len(ks) == 1
+                           else (temp, l * m_ + r0, l * m_ + r1, c0, c1))
+                    stage1.append(TileWork(t, reads, [out], [(kname, [
+                        ("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, k1 - k0, c1 - c0, 0,
+                        a.scale_exp & 0xFFFFFFFF, b.scale_exp & 0xFFFFFFFF, bias_arg])]))
+                if len(ks) > 1:
+                    t = (i * len(cols) + j) * len(ks)
+                    reads = [(temp, l * m_ + r0, l * m_ + r1, c0, c1) for l in range(len(ks))]
+                    stage2.append(TileWork(t, reads, [(key(y.id), r0, r1, c0, c1)], [("reduce_f32", [
+                        ("w", 0, 0), (r1 - r0) * (c1 - c0), len(ks)]
+                        + [("r", l, 0) for l in range(len(ks))])]))
+        if not stage2:
+            return Lowering([stage1])
+        return Lowering([stage1, stage2], {temp: (len(ks) * m_, n_, "f32")})
+
+    def kernels(self):
+        out = [_variant(f"matmul_{x}_{w}", "matmul.c", matmul_cycles(x), A_TYPE=TYPE_CODE[x],
+                        B_TYPE=TYPE_CODE[w]) for x, w in MATMUL_TYPES]
+        out.append(_variant("reduce_f32", "reduce.c", elementwise_cycles(lambda a: a[1] * (a[2] - 1), 1)))
+        return out
+
+
+def _pow2(n):
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
+
+
+class AttentionScores(Operator):
+    """Per head ``q_h @ k_h^T`` from a fused ``qkv[S, 3D]``: output ``[H, S, S]``."""
+    name = "attention_scores"
+
+    def infer(self, graph, op):
+        qkv = graph.values[op.inputs[0]]
+        h = op.attrs["heads"]
+        if len(qkv.shape) != 2 or qkv.shape[1] % (3 * h):
+            raise ValueError(f"qkv must be [S, 3*D] with D divisible by {h} heads, got {list(qkv.shape)}")
+        s = qkv.shape[0]
+        return [((h, s, s), "f32", 0)]
+
+    def _dims(self, graph, op):
+        qkv = graph.values[op.inputs[0]]
+        s, d = qkv.shape[0], qkv.shape[1] // 3
+        return qkv, s, d, op.attrs["heads"], d // op.attrs["heads"]
+
+    def reference(self, graph, op, inputs):
+        qkv, s, d, h, dh = self._dims(graph, op)
+        x = inputs[0]
+        out = [_matmul_reference(x[:, i * dh:(i + 1) * dh], qkv, x[:, d + i * dh:d + (i + 1) * dh], qkv,
+                                 trans_b=True) for i in range(h)]
+        return [np.stack(out)]
+
+    def plans(self, graph, op, tile_count):
+        qkv, s, d, h, dh = self._dims(graph, op)
+        return [{"rows": p["rows"]} for p in _rows_plans(s, max(1, tile_count // h))]
+
+    def lower(self, graph, op, plan):
+        qkv, s, d, h, dh = self._dims(graph, op)
+        y = graph.values[op.outputs[0]]
+        sc = qkv.scale_exp & 0xFFFFFFFF
+        work = []
+        for hh in range(h):
+            for i, (r0, r1) in enumerate(split(s, plan["rows"])):
+                work.append(TileWork(hh * plan["rows"] + i,
+                                     [(key(qkv.id), r0, r1, hh * dh, (hh + 1) * dh),
+                                      (key(qkv.id), 0, s, d + hh * dh, d + (hh + 1) * dh)],
+                                     [(key(y.id), hh * s + r0, hh * s + r1, 0, s)],
+                                     [(f"matmul_{qkv.dtype}_{qkv.dtype}",
+                                       [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, dh, s, 1, sc, sc, 0])]))
+        return Lowering([work])
+
+    def kernels(self):
+        return []
+
+
+class AttentionContext(Operator):
+    """Per head ``p_h @ v_h`` with ``p[H, S, S]`` and ``v`` from ``qkv[S, 3D]``: output ``[S, D]``."""
+    name = "attention_context"
+
+    def infer(self, graph, op):
+        p, qkv = (graph.values[i] for i in op.inputs)
+        h = op.attrs["heads"]
+        s, d = qkv.shape[0], qkv.shape[1] // 3
+        if p.shape != (h, s, s):
+            raise ValueError(f"probabilities must be [{h}, {s}, {s}], got {list(p.shape)}")
+        if (p.dtype, qkv.dtype) not in MATMUL_TYPES:
+            raise ValueError(f"no matmul for {p.dtype} x {qkv.dtype}")
+        return [((s, d), "f32", 0)]
+
+    def reference(self, graph, op, inputs):
+        pv, qkv = (graph.values[i] for i in op.inputs)
+        p, x = inputs
+        h = op.attrs["heads"]
+        s, d = qkv.shape[0], qkv.shape[1] // 3
+        dh = d // h
+        return [np.concatenate([_matmul_reference(p[i], pv, x[:, 2 * d + i * dh:2 * d + (i + 1) * dh], qkv)
+                                for i in range(h)], axis=1)]
+
+    def plans(self, graph, op, tile_count):
+        s = graph.values[op.inputs[1]].shape[0]
+        return _rows_plans(s, max(1, tile_count // op.attrs["heads"]))
+
+    def lower(self, graph, op, plan):
+        pv, qkv = (graph.values[i] for i in op.inputs)
+        y = graph.values[op.outputs[0]]
+        h = op.attrs["heads"]
+        s, d = qkv.shape[0], qkv.shape[1] // 3
+        dh = d // h
+        work = []
+        for hh in range(h):
+            for i, (r0, r1) in enumerate(split(s, plan["rows"])):
+                work.append(TileWork(hh * plan["rows"] + i,
+                                     [(key(pv.id), hh * s + r0, hh * s + r1, 0, s),
+                                      (key(qkv.id), 0, s, 2 * d + hh * dh, 2 * d + (hh + 1) * dh)],
+                                     [(key(y.id), r0, r1, hh * dh, (hh + 1) * dh)],
+                                     [(f"matmul_{pv.dtype}_{qkv.dtype}",
+                                       [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, s, dh, 0,
+                                        pv.scale_exp & 0xFFFFFFFF, qkv.scale_exp & 0xFFFFFFFF, 0])]))
+        return Lowering([work])
+
+
+@hookimpl
+def ipubuild_operators():
+    return [Cast(), Add(), LayerNorm(), Softmax(), Gelu(), Patchify(), ConcatRows(), SliceRows(),
+            MatMul(), AttentionScores(), AttentionContext()]

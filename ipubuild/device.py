@@ -1,0 +1,84 @@
+"""Running a package on a device backend, and the numerical test against the host reference.
+
+A backend (a plugin, ``ipubuild_device_backends``) owns its device through a lock file, loads the
+package through the validating reader, runs the host calls and returns a :class:`DeviceRun`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from . import canonical, tensors
+from .engine import phase
+from .errors import UserError
+from .log import log
+
+
+@dataclasses.dataclass
+class DeviceRun:
+    """What a device returns: outputs by name, the profile (cycles per tile per step) and its
+    Chrome trace events."""
+    outputs: dict[str, np.ndarray]
+    profile: dict
+    trace: list
+
+
+@contextlib.contextmanager
+def device_ownership(name: str):
+    """Hold the device's lock file for the duration (``$IPUBUILD_DEVICE_LOCK_DIR`` or /tmp)."""
+    path = Path(os.environ.get("IPUBUILD_DEVICE_LOCK_DIR") or tempfile.gettempdir()) / f"ipubuild-{name}-device.lock"
+    log.info("waiting for hardware ownership", path=path)
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        log.info("acquired hardware ownership", path=path)
+        try:
+            yield path
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def backends() -> dict:
+    from .plugins import get_plugin_manager
+    out = {}
+    for declared in get_plugin_manager().call("ipubuild_device_backends"):
+        out.update(declared)
+    return out
+
+
+@phase("run_device", inputs=("package", "params", "graph"), outputs=("device_run", "profile", "trace"),
+       config=("name", "target.device"), hooks=("ipubuild_device_backends", "ipubuild_operators"))
+def run_device(ctx):
+    from .ir import Graph
+    name = ctx.config["target"]["device"]
+    found = backends()
+    if name not in found:
+        raise UserError("target.device", f"unknown device {name!r}; known: {', '.join(sorted(found))}")
+    g = Graph.from_json(ctx.json("graph"))
+    arrays = tensors.unpack(ctx.bytes("params"))
+    inputs = {g.values[v].name: arrays[f"v{v}"] for v in g.inputs}
+    with tempfile.TemporaryDirectory(prefix="ipubuild-device-") as work:
+        run = found[name]().run(ctx.bytes("package"), inputs, Path(work))
+    return {"device_run": tensors.pack(run.outputs), "profile": canonical.dumps(run.profile),
+            "trace": canonical.dumps({"traceEvents": run.trace, "displayTimeUnit": "ns"})}
+
+
+@phase("check_numerics", inputs=("device_run", "reference", "profile"), outputs=("verdict",),
+       config=("numerics.min_cosine", "numerics.max_abs_error"))
+def check_numerics(ctx):
+    from .reference import compare
+    device, ref = tensors.unpack(ctx.bytes("device_run")), tensors.unpack(ctx.bytes("reference"))
+    cos, err = compare(device, ref)
+    n = ctx.config["numerics"]
+    ok = bool(np.isfinite(cos) and cos >= n["min_cosine"] and err <= n["max_abs_error"])
+    profile = ctx.json("profile")
+    return {"verdict": canonical.dumps({
+        "min_cosine": f"{cos:.9f}", "max_abs_error": f"{err:.6f}", "pass": ok,
+        "thresholds": {"min_cosine": n["min_cosine"], "max_abs_error": n["max_abs_error"]},
+        "device_ok": bool(profile.get("ok", False)), "samples": profile.get("samples", 0),
+        "tiles": profile.get("tiles", 0), "total_cycles": profile.get("total_cycles", 0)})}

@@ -1,0 +1,47 @@
+"""Front ends: a model family's builder gives a float32 graph, its constants and inputs; the
+target's cast policy then places the FP8 casts. Both are plugins."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .errors import UserError
+from .ir import Graph
+
+
+@dataclasses.dataclass
+class Model:
+    """What a model builder returns: the float32 graph, constants and example inputs by value id."""
+    graph: Graph
+    constants: dict[int, np.ndarray]
+    inputs: dict[int, np.ndarray]
+
+
+def build_model(pm, target: dict) -> Model:
+    """Run the target's model builder and cast policy: the graph the compiler plans."""
+    where = target.get("path", target.get("name", "target"))
+    params = {k: v for k, v in target["model"].items() if k != "family"}
+    family = target["model"]["family"]
+    model = pm.call("ipubuild_build_model", family=family, params=params,
+                    seed=target["target"]["seed"], where=where)
+    if model is None:
+        families = sorted({f for fs in pm.call("ipubuild_model_families") for f in fs})
+        raise UserError(f"{where}: model.family", f"unknown model family {family!r}; known: "
+                        f"{', '.join(families)}")
+    if not isinstance(model, Model):
+        raise UserError(f"model family {family}", "ipubuild_build_model must return ipubuild.frontend.Model")
+    policies = {}
+    for declared in pm.call("ipubuild_cast_policies"):
+        policies.update(declared)
+    name = target["casts"]["policy"]
+    if name not in policies:
+        raise UserError(f"{where}: casts.policy", f"unknown cast policy {name!r}; known: "
+                        f"{', '.join(sorted(policies))}")
+    try:
+        storage = policies[name](model.graph, model.constants, model.inputs, target["casts"])
+        model.graph.cast_storage = storage
+        model.graph.validate()
+    except ValueError as exc:
+        raise UserError(f"{where}: model", str(exc)) from None
+    return model

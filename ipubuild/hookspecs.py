@@ -1,0 +1,86 @@
+"""The plugin contract of ipubuild: every hook a plugin may implement, documented where declared.
+
+A plugin is a module (or object) with functions named like the hooks below, decorated with
+``ipubuild.hookimpl``, and announced through the ``ipubuild`` entry-point group::
+
+    [project.entry-points.ipubuild]
+    rmsnorm = "ipubuild_rmsnorm.plugin"
+
+ipubuild's own features (the ViT front end, the operators and their C kernels, the cast
+policies, the search heuristics, the simulator device) are plugins registered the same way.
+A plugin's distribution name, version and code fingerprint enter the action keys of the phases
+that call its hooks, so installing, upgrading or editing it re-runs exactly those phases.
+
+Registration hooks (``ipubuild_operators`` and friends) are called once per process; every
+plugin's result is collected (pluggy returns a list). A hook that raises, or returns something
+malformed, is reported as a one-line error naming the plugin and the hook.
+"""
+import pluggy
+
+hookspec = pluggy.HookspecMarker("ipubuild")
+
+
+@hookspec
+def ipubuild_operators():
+    """Declare operators.
+
+    Called when the operator registry is first built. Return a list of
+    :class:`ipubuild.operators.Operator`: its ``name`` (unique across all plugins: a name
+    registered twice is an error naming both plugins), ``infer`` (shape and dtype inference,
+    raising ``ValueError`` with a message for bad inputs), ``reference`` (numpy evaluation in
+    device precision), ``plans`` (the ways it splits over tiles), ``lower`` (the per-tile work of
+    a plan: blocks read and written and the kernel vertex each tile runs) and ``kernels`` (the
+    C sources with their variants and cycle estimators). All results are collected.
+    """
+
+
+@hookspec(firstresult=True)
+def ipubuild_build_model(family: str, params: dict, seed: int, where: str):
+    """Build the graph of a model family, or return None if ``family`` is not yours.
+
+    Called by the ``lower_model`` phase with the target's ``[model]`` table (``params``, without
+    ``family``), its ``seed`` and ``where`` (the target file, for error messages). Return a
+    :class:`ipubuild.frontend.Model`: the float32 :class:`ipubuild.ir.Graph` before casts, its
+    constants (name -> numpy array) and deterministic example inputs. Raise
+    ``ipubuild.errors.UserError(where + ": model.<key>", ...)`` for a bad parameter. The first
+    non-None result wins.
+    """
+
+
+@hookspec
+def ipubuild_model_families():
+    """Return the model family names this plugin builds (for listings and error messages)."""
+
+
+@hookspec
+def ipubuild_cast_policies():
+    """Declare FP8 cast policies.
+
+    Return ``{name: callable}``; the callable ``policy(graph, constants, inputs, params)``
+    inserts cast operations into the float32 graph in place and returns the
+    :class:`ipubuild.ir.CastStoragePolicy` it chose. ``params`` is the target's ``[casts]``
+    table. Called by the ``lower_model`` phase. All results are merged; a name declared twice
+    is an error.
+    """
+
+
+@hookspec
+def ipubuild_search_heuristics():
+    """Declare layout-search heuristics.
+
+    Return a list of :class:`ipubuild.search.Heuristic`: each proposes layout changes
+    (``propose(layout, context) -> list[Changes]``) to the incumbent in every local-search
+    round of ``plan_package``. Proposals are screened, deduplicated and costed by ipubuild, so
+    a heuristic may propose freely; it must be deterministic. All results are collected and run
+    in name order.
+    """
+
+
+@hookspec
+def ipubuild_device_backends():
+    """Declare device backends.
+
+    Return ``{name: factory}``; ``factory()`` gives an object with ``run(package_path, inputs,
+    workdir) -> DeviceRun`` (outputs by name, a profile, log lines). The target's
+    ``[target] device`` names the one used. All results are merged.
+    """

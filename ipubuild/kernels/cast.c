@@ -1,0 +1,40 @@
+/* cast.c -- element-wise type conversion.
+ *
+ * Compile with -DSRC_TYPE=<code> -DDST_TYPE=<code>.
+ * args = [src, dst, n, scale_exp]
+ *   to fp8:   dst = saturating_cast(src * 2^scale_exp)  (NaN -> 0x80)
+ *   from fp8: dst = decode(src) * 2^-scale_exp
+ *   f16 <-> f32 conversions ignore the scale (round to nearest even).
+ */
+#include "ipu_kernel.h"
+
+#if !defined(SRC_TYPE) || !defined(DST_TYPE)
+#error "cast.c needs -DSRC_TYPE=<code> -DDST_TYPE=<code>"
+#endif
+#if !IPU_VALID_TYPE(SRC_TYPE) || !IPU_VALID_TYPE(DST_TYPE)
+#error "cast.c: unknown SRC_TYPE/DST_TYPE"
+#endif
+
+IPU_VERTEX
+{
+    const uint8_t *src = mem + args[0];
+    uint8_t *dst = mem + args[1];
+    const uint32_t n = args[2];
+    const int32_t scale = (int32_t)args[3];
+
+    for (uint32_t i = 0; i < n; i++) {
+        float v;
+        if (IPU_IS_FP8(SRC_TYPE))
+            v = ipu_fp8_decode(src[i], SRC_TYPE, scale);
+        else
+            v = ipu_load_elem(src, i, SRC_TYPE);
+
+        if (DST_TYPE == IPU_F32)
+            ipu_st_f32(dst + 4u * i, v);
+        else if (DST_TYPE == IPU_F16)
+            ipu_st_u16(dst + 2u * i, ipu_float_to_f16(v));
+        else
+            dst[i] = ipu_fp8_encode(v, DST_TYPE, scale);
+    }
+    return 0;
+}

@@ -1,0 +1,166 @@
+/* ipu_kernel.h -- shared header for ipubuild tile kernels.
+ *
+ * Every kernel .so exports exactly one entry point (see IPU_VERTEX):
+ *     int ipu_vertex(uint8_t *mem, const uint32_t *args);
+ * All addresses in args are byte offsets from mem.  Floats in args are IEEE
+ * bit patterns, scale exponents int32 two's complement.
+ *
+ * FP8 formats (Graphcore): F143 == float8_e4m3fnuz (bias 8, max 240),
+ * F152 == float8_e5m2fnuz (bias 16, max 57344); NaN is code 0x80, no -0.
+ * Casts to FP8 saturate (clip to +-max, NaN -> 0x80) then round to nearest
+ * even; bit-exact with ipubuild/fp8.py.
+ */
+#ifndef IPU_KERNEL_H
+#define IPU_KERNEL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define IPU_F32 0
+#define IPU_F16 1
+#define IPU_F143 2
+#define IPU_F152 3
+
+#define IPU_IS_FP8(t) ((t) == IPU_F143 || (t) == IPU_F152)
+#define IPU_VALID_TYPE(t) ((t) == IPU_F32 || (t) == IPU_F16 || IPU_IS_FP8(t))
+#define IPU_TYPE_SIZE(t) ((t) == IPU_F32 ? 4u : (t) == IPU_F16 ? 2u : 1u)
+
+/* The single exported entry point of every kernel. */
+#define IPU_VERTEX __attribute__((visibility("default"))) \
+    int ipu_vertex(uint8_t *mem, const uint32_t *args)
+IPU_VERTEX;
+
+/* ---- raw loads / stores (unaligned-safe) ------------------------------- */
+
+static inline float ipu_f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+static inline uint32_t ipu_bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+
+static inline float ipu_ld_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+static inline void ipu_st_f32(uint8_t *p, float f) { memcpy(p, &f, 4); }
+static inline uint16_t ipu_ld_u16(const uint8_t *p) { uint16_t u; memcpy(&u, p, 2); return u; }
+static inline void ipu_st_u16(uint8_t *p, uint16_t u) { memcpy(p, &u, 2); }
+
+/* ---- F16 <-> float ------------------------------------------------------ */
+
+static inline float ipu_f16_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    if (e == 0x1f)
+        return ipu_f32_from_bits(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {
+        float v = (float)m * 0x1p-24f; /* exact */
+        return sign ? -v : v;
+    }
+    return ipu_f32_from_bits(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+/* Round sig >> shift to nearest even (shift in 1..63). */
+static inline uint64_t ipu_rne_shift(uint64_t sig, unsigned shift)
+{
+    uint64_t r = sig >> shift;
+    uint64_t rem = sig & ((1ull << shift) - 1u);
+    uint64_t half = 1ull << (shift - 1);
+    if (rem > half || (rem == half && (r & 1u)))
+        r++;
+    return r;
+}
+
+static inline uint16_t ipu_float_to_f16(float f)
+{
+    uint32_t u = ipu_bits_from_f32(f);
+    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    uint32_t a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) /* NaN: quiet, keep top payload bits */
+        return (uint16_t)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+    if (a >= 0x47800000u) /* >= 65536 (or inf) */
+        return (uint16_t)(sign | 0x7c00u);
+    if (a >= 0x38800000u) /* f16 normal range: rebias, round; carry may give inf */
+        return (uint16_t)(sign | ipu_rne_shift(a - (112u << 23), 13));
+    /* f16 subnormal: quantum 2^-24 */
+    uint32_t e = a >> 23;
+    if (e == 0)
+        return sign; /* f32 subnormal, far below 2^-25 */
+    unsigned shift = 126u - e; /* value = sig * 2^(e-150) */
+    if (shift >= 25u)
+        return sign;
+    return (uint16_t)(sign | ipu_rne_shift((a & 0x7fffffu) | 0x800000u, shift));
+}
+
+/* ---- FP8 <-> float ------------------------------------------------------ */
+
+#define IPU_FP8_MBITS(t) ((t) == IPU_F143 ? 3 : 2)
+#define IPU_FP8_BIAS(t) ((t) == IPU_F143 ? 8 : 16)
+#define IPU_FP8_MAX(t) ((t) == IPU_F143 ? 240.0 : 57344.0)
+
+/* Unscaled value of an fp8 code (exact in float).  Code 0x80 gives the same
+ * NaN bit pattern as ml_dtypes (0xFFC00000, negative quiet NaN). */
+static inline float ipu_fp8_to_float(uint8_t code, int type)
+{
+    const int mbits = IPU_FP8_MBITS(type), bias = IPU_FP8_BIAS(type);
+    if (code == 0x80u)
+        return ipu_f32_from_bits(0xFFC00000u);
+    uint32_t sign = (uint32_t)(code & 0x80u) << 24;
+    uint32_t e = (code >> mbits) & (0x7fu >> mbits);
+    uint32_t m = code & ((1u << mbits) - 1u);
+    if (e == 0) {
+        float v = ldexpf((float)m, 1 - bias - mbits); /* exact */
+        return sign ? -v : v;
+    }
+    return ipu_f32_from_bits(sign | ((e - (uint32_t)bias + 127u) << 23) | (m << (23 - mbits)));
+}
+
+/* Saturating, round-to-nearest-even cast of a double to an fp8 code. */
+static inline uint8_t ipu_double_to_fp8(double x, int type)
+{
+    const int mbits = IPU_FP8_MBITS(type), bias = IPU_FP8_BIAS(type);
+    const double max = IPU_FP8_MAX(type);
+    if (isnan(x))
+        return 0x80u;
+    uint8_t sign = signbit(x) ? 0x80u : 0u;
+    double a = fabs(x);
+    if (a > max)
+        a = max;
+    uint64_t u;
+    memcpy(&u, &a, 8);
+    int E = (int)(u >> 52);
+    if (E == 0)
+        return 0; /* zero or double subnormal */
+    int e = E - 1023;
+    uint64_t sig = (u & ((1ull << 52) - 1u)) | (1ull << 52); /* a = sig * 2^(e-52) */
+    int emin = 1 - bias;
+    int eq = (e > emin ? e : emin); /* binade of the result quantum */
+    int shift = eq - mbits - e + 52;  /* >= 52 - mbits */
+    if (shift >= 54)
+        return 0; /* below half the smallest subnormal */
+    uint64_t r = ipu_rne_shift(sig, (unsigned)shift);
+    uint32_t code = ((uint32_t)(eq + bias - 1) << mbits) + (uint32_t)r;
+    if (code == 0)
+        return 0; /* no negative zero */
+    return (uint8_t)(sign | code);
+}
+
+/* Decode with scale: value(code) * 2^-scale_exp (one rounding to float). */
+static inline float ipu_fp8_decode(uint8_t code, int type, int32_t scale_exp)
+{
+    return (float)ldexp((double)ipu_fp8_to_float(code, type), -scale_exp);
+}
+
+/* Encode with scale: saturating_cast(x * 2^scale_exp) (scaling exact in double). */
+static inline uint8_t ipu_fp8_encode(float x, int type, int32_t scale_exp)
+{
+    return ipu_double_to_fp8(ldexp((double)x, scale_exp), type);
+}
+
+/* Load element i of an array of the given type as an (unscaled) float. */
+static inline float ipu_load_elem(const uint8_t *base, uint32_t i, int type)
+{
+    if (type == IPU_F32)
+        return ipu_ld_f32(base + 4u * (uint64_t)i);
+    if (type == IPU_F16)
+        return ipu_f16_to_float(ipu_ld_u16(base + 2u * (uint64_t)i));
+    return ipu_fp8_to_float(base[i], type);
+}
+
+#endif /* IPU_KERNEL_H */

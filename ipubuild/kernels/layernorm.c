@@ -1,0 +1,38 @@
+/* layernorm.c -- f32 layer normalisation over the last axis.
+ *
+ * args = [x, gamma, beta, y, rows, cols, eps_bits]
+ *   per row: mean, population variance (two-pass),
+ *   y = (x - mean) / sqrtf(var + eps) * gamma[j] + beta[j].
+ * y may alias x.  Returns 1 if cols == 0.
+ */
+#include "ipu_kernel.h"
+
+IPU_VERTEX
+{
+    const uint8_t *x = mem + args[0], *gamma = mem + args[1], *beta = mem + args[2];
+    uint8_t *y = mem + args[3];
+    const uint32_t rows = args[4], cols = args[5];
+    const float eps = ipu_f32_from_bits(args[6]);
+
+    if (cols == 0)
+        return 1;
+    for (uint32_t r = 0; r < rows; r++) {
+        const uint8_t *xr = x + 4u * (r * cols);
+        uint8_t *yr = y + 4u * (r * cols);
+        float sum = 0.0f;
+        for (uint32_t j = 0; j < cols; j++)
+            sum += ipu_ld_f32(xr + 4u * j);
+        const float mean = sum / (float)cols;
+        float sq = 0.0f;
+        for (uint32_t j = 0; j < cols; j++) {
+            float d = ipu_ld_f32(xr + 4u * j) - mean;
+            sq += d * d;
+        }
+        const float denom = sqrtf(sq / (float)cols + eps);
+        for (uint32_t j = 0; j < cols; j++) {
+            float v = (ipu_ld_f32(xr + 4u * j) - mean) / denom;
+            ipu_st_f32(yr + 4u * j, v * ipu_ld_f32(gamma + 4u * j) + ipu_ld_f32(beta + 4u * j));
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,25 @@
+"""The tile machine's description, read from ``ipubuild/machines/<name>.toml``."""
+from __future__ import annotations
+
+import functools
+import tomllib
+from pathlib import Path
+
+from .errors import UserError
+
+MACHINES = Path(__file__).parent / "machines"
+
+
+@functools.lru_cache(maxsize=None)
+def load_machine(name: str) -> dict:
+    path = MACHINES / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in MACHINES.glob("*.toml")))
+        raise UserError("target.machine", f"unknown machine {name!r}; known: {known}")
+    return tomllib.loads(path.read_text())
+
+
+def machine_bytes(name: str) -> bytes:
+    """The machine file's bytes: an input of every phase that reads the machine."""
+    load_machine(name)
+    return (MACHINES / f"{name}.toml").read_bytes()

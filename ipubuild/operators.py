@@ -1,0 +1,161 @@
+"""Operators as plugins declare them, and the registry that gathers them.
+
+An operator says how its outputs' shapes and dtypes follow from its inputs (``infer``), what it
+computes in device precision (``reference``), how it may be split over tiles (``plans``), what
+each tile does under a plan (``lower``) and which C kernels it needs (``kernels``).
+
+Lowering speaks in *blocks*: every value is seen as a 2-D matrix ``[rows, cols]`` and a block is
+``(value, r0, r1, c0, c1)``. A tile's work reads blocks (each gathered into one contiguous local
+buffer by the exchange before the compute phase) and writes blocks (each one contiguous local
+buffer that then holds that part of the value), and runs vertices: calls of kernel variants
+whose arguments are integers or references ``("r", i, byte_offset)`` / ``("w", i, byte_offset)``
+to the address of its i-th read or written buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import struct
+from pathlib import Path
+from typing import Callable
+
+from .errors import UserError
+
+Block = tuple  # (value key, r0, r1, c0, c1); a value key is "v<id>" or "t<op>.<n>" (a temporary)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelVariant:
+    """One compiled kernel: a C source with ``-D`` defines, and its cycle estimator.
+
+    ``cycles(args, machine)`` gives the compute cycles of one vertex with these arguments; the
+    cost model and the simulator's profile both use it.
+    """
+    name: str
+    source: Path
+    defines: tuple = ()
+    cycles: Callable = None
+
+
+@dataclasses.dataclass
+class TileWork:
+    """What one (logical) tile does in one stage of an operation."""
+    tile: int
+    reads: list
+    writes: list
+    vertices: list  # [(kernel variant name, [arg, ...])]
+
+
+@dataclasses.dataclass
+class Lowering:
+    """The stages of an operation under a plan (each stage: an exchange, then compute), and
+    the temporaries it needs (key -> (rows, cols, dtype))."""
+    stages: list
+    temps: dict = dataclasses.field(default_factory=dict)
+
+
+class Operator:
+    """Base class for operators; plugins subclass it and return instances from
+    ``ipubuild_operators``."""
+
+    name: str = ""
+
+    def infer(self, graph, op) -> list[tuple]:
+        """``[(shape, dtype, scale_exp)]`` for each output; raise ValueError for bad inputs."""
+        raise NotImplementedError
+
+    def reference(self, graph, op, inputs: list) -> list:
+        """numpy outputs in device precision (fp8 values as uint8 codes)."""
+        raise NotImplementedError
+
+    def plans(self, graph, op, tile_count: int) -> list[dict]:
+        """Candidate plans, the first being the default choice."""
+        raise NotImplementedError
+
+    def lower(self, graph, op, plan: dict) -> Lowering:
+        raise NotImplementedError
+
+    def kernels(self) -> list[KernelVariant]:
+        return []
+
+    # used by ipubuild ----------------------------------------------------------------------
+    def infer_types(self, graph, op) -> list[tuple]:
+        try:
+            return self.infer(graph, op)
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise UserError(f"operation {op.name} ({op.type})", str(exc)) from None
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``n`` items in ``parts`` nearly equal contiguous ranges (empty ranges dropped)."""
+    parts = max(1, min(parts, n))
+    q, r = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + q + (1 if i < r else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def key(vid: int) -> str:
+    return f"v{vid}"
+
+
+class Registry:
+    """Operators and kernel variants from every plugin, by name."""
+
+    def __init__(self, operators: list[Operator], owners: dict[str, str]):
+        self.operators = {op.name: op for op in operators}
+        self.owners = owners
+        self.kernels: dict[str, KernelVariant] = {}
+        for op in operators:
+            for kv in op.kernels():
+                self.kernels.setdefault(kv.name, kv)
+
+    def get(self, name: str, where: str = "graph") -> Operator:
+        try:
+            return self.operators[name]
+        except KeyError:
+            raise UserError(where, f"unknown operator {name!r}; known: "
+                            f"{', '.join(sorted(self.operators))}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def _registry(pm) -> Registry:
+    operators, owners = [], {}
+    hook = pm.hook.ipubuild_operators
+    for impl in reversed(hook.get_hookimpls()):
+        try:
+            declared = impl.function()
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"plugin {impl.plugin_name}",
+                            f"hook ipubuild_operators raised {type(exc).__name__}: {exc}") from None
+        if not isinstance(declared, (list, tuple)) or not all(isinstance(o, Operator) for o in declared):
+            raise UserError(f"plugin {impl.plugin_name}",
+                            "hook ipubuild_operators must return a list of ipubuild.operators.Operator")
+        for o in declared:
+            if o.name in owners:
+                raise UserError(f"plugin {impl.plugin_name}", f"hook ipubuild_operators: operator "
+                                f"{o.name!r} is already registered by {owners[o.name]}")
+            owners[o.name] = impl.plugin_name
+            operators.append(o)
+    return Registry(operators, owners)
+
+
+def registry() -> Registry:
+    from .plugins import get_plugin_manager
+    return _registry(get_plugin_manager())
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def prod(xs) -> int:
+    return math.prod(xs)

@@ -1,0 +1,118 @@
+"""A build as a list of steps over named artifacts, run by doit or in-process alike.
+
+A step runs one phase: its inputs are artifacts (whose digests sit in small reference files
+under ``.ipubuild/refs``) or real source files; its outputs are reference files, rewritten only
+when the digest changes, so that a phase re-run with identical output leaves everything
+downstream up to date (early cutoff through doit's md5 checker).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from pathlib import Path
+
+from . import canonical
+from .engine import PHASES, Engine, Result, config_subset
+from .files import write_if_changed
+from .log import log, span
+from .store import Store, cache_dir, size_limit
+
+
+@dataclasses.dataclass
+class Step:
+    """One phase run in a build; ``task`` and ``name`` make its doit name ``task:name``."""
+    task: str
+    name: str
+    phase: str
+    inputs: dict[str, str] = dataclasses.field(default_factory=dict)   # slot -> artifact
+    outputs: dict[str, str] = dataclasses.field(default_factory=dict)  # slot -> artifact
+    sources: dict[str, Path] = dataclasses.field(default_factory=dict)  # slot -> source file
+    files: dict[str, Path] = dataclasses.field(default_factory=dict)   # slot -> file written
+    config: dict = dataclasses.field(default_factory=dict)
+    spans: tuple = ()            # enclosing log spans: (("build", {...}), ("phase", {...}))
+    doc: str = ""
+
+    @property
+    def task_name(self) -> str:
+        return f"{self.task}:{self.name}"
+
+
+class Workspace:
+    """A project tree: where refs, artifacts and the cache live, and the engine over them."""
+
+    _open: dict[Path, "Workspace"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, root: Path):
+        from .plugins import get_plugin_manager
+        self.root = Path(root).resolve()
+        self.refs = self.root / ".ipubuild" / "refs"
+        self.artifacts = self.root / "artifacts"
+        self.store = Store(cache_dir(self.root), size_limit())
+        self.plugins = get_plugin_manager()
+        self.engine = Engine(self.store, self.plugins.fingerprints)
+
+    @classmethod
+    def at(cls, root) -> "Workspace":
+        root = Path(root).resolve()
+        with cls._lock:
+            if root not in cls._open:
+                cls._open[root] = cls(root)
+            return cls._open[root]
+
+    @classmethod
+    def close_all(cls) -> None:
+        with cls._lock:
+            for ws in cls._open.values():
+                ws.store.close()
+            cls._open.clear()
+
+    def ref_path(self, artifact: str) -> Path:
+        return self.refs / f"{artifact}.ref"
+
+    def read_ref(self, artifact: str) -> str:
+        return self.ref_path(artifact).read_text().strip()
+
+    def signature(self, step: Step) -> str:
+        """What doit must see change to re-run a step besides its files: code, plugins, config."""
+        ph = PHASES[step.phase]
+        return canonical.digest_of({"code": ph.code,
+                                    "plugins": self.plugins.fingerprints(ph.hooks) if ph.hooks else {},
+                                    "config": config_subset(step.config, ph.config)})
+
+    def execute(self, step: Step) -> Result:
+        """Run a step: read input refs, run (or hit) its phase, write output refs and files."""
+        inputs = {slot: self.read_ref(a) for slot, a in step.inputs.items()}
+        for slot, path in step.sources.items():
+            inputs[slot] = self.store.put(Path(path).read_bytes())
+        with _nested(step.spans + (("phase", {"phase": step.phase}),)):
+            result = self.engine.run(step.phase, inputs, step.config)
+            for slot, artifact in step.outputs.items():
+                if slot not in result.outputs:
+                    raise KeyError(f"phase {step.phase} did not produce {slot}")
+                write_if_changed(self.ref_path(artifact), result.outputs[slot].encode() + b"\n")
+            for slot, path in step.files.items():
+                write_if_changed(path, self.engine.fetch(result.outputs[slot]))
+            extra = {"cached": True} if result.hit else {}
+            log.info("package build phase finished", phase=f'"{step.phase}"',
+                     elapsed_ms=result.elapsed_ms, success=True, **extra)
+        return result
+
+
+class _nested:
+    """Enter a sequence of (span name, fields) pairs."""
+
+    def __init__(self, spans):
+        self.spans = spans
+        self.stack = []
+
+    def __enter__(self):
+        for name, kv in self.spans:
+            cm = span(name, **kv)
+            cm.__enter__()
+            self.stack.append(cm)
+
+    def __exit__(self, *exc):
+        while self.stack:
+            self.stack.pop().__exit__(*exc)
+        return False

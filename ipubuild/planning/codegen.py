@@ -1,0 +1,118 @@
+"""Tile programs, their binary encoding, tile images and the host program.
+
+A tile program lists, per step, the vertices the tile runs (kernel index and resolved u32
+arguments); its exchange table lists the transfers the tile sends, per step. Both are encoded
+little-endian as below and placed in the tile's executable region after its kernels.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from .. import canonical, tensors
+
+PROGRAM_MAGIC = b"TPRG"
+EXCHANGE_MAGIC = b"TXCH"
+
+
+def encode_program(kernels: list[str], steps: list) -> bytes:
+    """``steps`` = ``[[step, [[kernel_index, [u32 args]], ...]], ...]``."""
+    out = [PROGRAM_MAGIC, struct.pack("<III", 1, len(kernels), len(steps))]
+    for name in kernels:
+        raw = name.encode()
+        out.append(struct.pack("<H", len(raw)) + raw)
+    for step, verts in steps:
+        out.append(struct.pack("<II", step, len(verts)))
+        for k, args in verts:
+            out.append(struct.pack(f"<HH{len(args)}I", k, len(args), *[a & 0xFFFFFFFF for a in args]))
+    return b"".join(out)
+
+
+def decode_program(data: bytes) -> tuple[list[str], list]:
+    if data[:4] != PROGRAM_MAGIC:
+        raise ValueError("not a tile program")
+    _, nk, ns = struct.unpack_from("<III", data, 4)
+    pos, kernels = 16, []
+    for _ in range(nk):
+        (n,) = struct.unpack_from("<H", data, pos)
+        kernels.append(data[pos + 2:pos + 2 + n].decode())
+        pos += 2 + n
+    steps = []
+    for _ in range(ns):
+        step, nv = struct.unpack_from("<II", data, pos)
+        pos += 8
+        verts = []
+        for _ in range(nv):
+            k, na = struct.unpack_from("<HH", data, pos)
+            args = list(struct.unpack_from(f"<{na}I", data, pos + 4))
+            pos += 4 + 4 * na
+            verts.append((k, args))
+        steps.append((step, verts))
+    return kernels, steps
+
+
+def encode_exchange(entries: list) -> bytes:
+    """``entries`` = ``[[step, src_tile, src_addr, src_stride, dst_tile, dst_addr, dst_stride,
+    rows, row_bytes], ...]`` (9 u32 each)."""
+    arr = np.asarray(entries, dtype="<u4").reshape(-1, 9)
+    return EXCHANGE_MAGIC + struct.pack("<I", len(arr)) + arr.tobytes()
+
+
+def decode_exchange(data: bytes) -> np.ndarray:
+    if data[:4] != EXCHANGE_MAGIC:
+        raise ValueError("not an exchange table")
+    (n,) = struct.unpack_from("<I", data, 4)
+    return np.frombuffer(data, dtype="<u4", count=9 * n, offset=8).reshape(n, 9)
+
+
+def program_bytes(kernels: list[str], steps: list) -> int:
+    """The encoded size, which does not depend on argument values."""
+    return len(encode_program(kernels, [[s, [[k, [0] * len(a)] for k, a in v]] for s, v in steps]))
+
+
+def exchange_bytes(n_entries: int) -> int:
+    return 8 + 36 * n_entries
+
+
+def build_image(code: dict, data: dict, kernels: list) -> bytes:
+    """A tile image: segments (kernel code reservations, program, exchange table, initial data)
+    with addresses, as one canonical blob."""
+    segments, blobs = [], {}
+    for name, addr, size, obj in kernels:
+        segments.append(["kernel", name, addr, size, obj])
+    for kind in ("program", "exchange"):
+        if kind in code:
+            raw = code[kind]
+            addr = int(code["addresses"][kind])
+            segments.append([kind, kind, addr, len(raw), canonical.digest(raw)])
+            blobs[kind] = raw
+    for name in sorted(data, key=lambda n: int(n.split("@")[1])):
+        raw = data[name].tobytes()
+        addr = int(name.split("@")[1])
+        segments.append(["data", name.split("@")[0], addr, len(raw), canonical.digest(raw)])
+        blobs[f"data@{addr}"] = raw
+    header = canonical.dumps({"tile_image": 1, "segments": segments})
+    arrays = {"header": np.frombuffer(header, dtype=np.uint8)}
+    arrays.update({k: np.frombuffer(v, dtype=np.uint8) for k, v in blobs.items()})
+    return tensors.pack(arrays)
+
+
+def read_image(blob: bytes) -> tuple[dict, dict[str, bytes]]:
+    arrays = tensors.unpack(blob)
+    header = canonical.loads(arrays.pop("header").tobytes())
+    return header, {k: v.tobytes() for k, v in arrays.items()}
+
+
+def bindings(value, ranges: list, addresses: dict) -> list:
+    """``[[tensor_byte_offset, size, tile, address], ...]`` for blocks ``[tile, buf, r0, r1, c0, c1]``."""
+    isz, cols = value.itemsize, value.cols
+    out = []
+    for tile, bid, r0, r1, c0, c1 in ranges:
+        base = addresses[str(tile)][bid]
+        width = (c1 - c0) * isz
+        if c0 == 0 and c1 == cols:
+            out.append([r0 * cols * isz, (r1 - r0) * width, tile, base])
+        else:
+            out.extend([(r * cols + c0) * isz, width, tile, base + (r - r0) * width] for r in range(r0, r1))
+    return sorted(out)

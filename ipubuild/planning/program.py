@@ -1,0 +1,172 @@
+"""Lowering a graph under a layout into a bulk-synchronous program over tile buffers.
+
+The program is a list of steps. Each step is one exchange phase (transfers that gather the
+blocks its tiles read into contiguous local buffers) followed by one compute phase (vertices:
+kernel calls whose arguments point into those buffers). Buffers are per tile, with a size and a
+lifetime in steps; constants are initialised by the tile image, graph inputs written by the host.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..errors import UserError
+from ..ir import Graph
+from ..operators import registry
+
+
+def default_layout(graph: Graph, tile_count: int) -> dict:
+    """Every operation on its default (first) plan, starting at tile 0."""
+    return {"ops": {str(op.id): {"plan": 0, "offset": 0} for op in graph.ops}}
+
+
+def plans_of(graph: Graph, tile_count: int) -> dict[int, list[dict]]:
+    reg = registry()
+    return {op.id: reg.get(op.type).plans(graph, op, tile_count) for op in graph.ops}
+
+
+def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
+    reg = registry()
+    steps: list[dict] = []
+    buffers: dict[int, dict[str, dict]] = {t: {} for t in range(tile_count)}
+    stored: dict[str, list] = defaultdict(list)          # value key -> [(tile, buf, block)]
+    const_bufs: dict[tuple, str] = {}
+    input_bufs: dict[tuple, str] = {}
+    temps: dict[str, tuple] = {}
+    inputs, constants = set(graph.inputs), set(graph.constants)
+    counter = [0]
+
+    def vinfo(vk):
+        if vk.startswith("v"):
+            v = graph.values[int(vk[1:])]
+            return v.rows, v.cols, v.itemsize, v.name
+        rows, cols, dtype = temps[vk]
+        return rows, cols, {"f32": 4, "f16": 2}.get(dtype, 1), vk
+
+    def new_buf(tile, kind, size, start, **extra):
+        counter[0] += 1
+        bid = f"{kind}{counter[0]}"
+        buffers[tile][bid] = {"size": size, "start": start, "end": start, **extra}
+        return bid
+
+    def use(tile, bid, step):
+        b = buffers[tile][bid]
+        b["end"] = max(b["end"], step)
+
+    for op in graph.ops:
+        choice = layout["ops"][str(op.id)]
+        plans = reg.get(op.type).plans(graph, op, tile_count)
+        if not 0 <= choice["plan"] < len(plans):
+            raise UserError(f"layout of operation {op.name}", f"plan {choice['plan']} out of range")
+        lowering = reg.get(op.type).lower(graph, op, plans[choice["plan"]])
+        temps.update(lowering.temps)
+
+        def phys(t):
+            tile = (choice["offset"] + t) % tile_count
+            return tile
+
+        for stage_index, stage in enumerate(lowering.stages):
+            s = len(steps)
+            step = {"name": f"{op.name}#{stage_index}" if len(lowering.stages) > 1 else op.name,
+                    "op": op.id, "transfers": [], "vertices": {}}
+            gathered: dict[tuple, str] = {}
+            for work in stage:
+                tile = phys(work.tile)
+                if tile >= tile_count:
+                    raise UserError(f"operation {op.name}", f"plan uses tile {tile} of {tile_count}")
+                read_bufs = []
+                for blk in work.reads:
+                    vk, r0, r1, c0, c1 = blk
+                    rows, cols, isz, name = vinfo(vk)
+                    size = (r1 - r0) * (c1 - c0) * isz
+                    vid = int(vk[1:]) if vk.startswith("v") else None
+                    if vid in constants:
+                        k = (tile, blk)
+                        if k not in const_bufs:
+                            const_bufs[k] = new_buf(tile, "c", size, 0, init=list(blk))
+                        bid = const_bufs[k]
+                    elif vid in inputs:
+                        k = (tile, blk)
+                        if k not in input_bufs:
+                            input_bufs[k] = new_buf(tile, "i", size, 0, input=list(blk))
+                        bid = input_bufs[k]
+                    else:
+                        exact = [b for (t, b, sb) in stored[vk] if t == tile and tuple(sb) == (r0, r1, c0, c1)]
+                        if exact:
+                            bid = exact[0]
+                        elif (tile, blk) in gathered:
+                            bid = gathered[(tile, blk)]
+                        else:
+                            bid = gathered[(tile, blk)] = new_buf(tile, "g", size, s)
+                            step["transfers"].extend(_transfers(stored[vk], blk, tile, bid, isz, name, use, s))
+                    use(tile, bid, s)
+                    read_bufs.append(bid)
+                write_bufs = []
+                for blk in work.writes:
+                    vk, r0, r1, c0, c1 = blk
+                    rows, cols, isz, name = vinfo(vk)
+                    bid = new_buf(tile, "o", (r1 - r0) * (c1 - c0) * isz, s, value=vk, block=list(blk[1:]))
+                    stored[vk].append((tile, bid, (r0, r1, c0, c1)))
+                    write_bufs.append(bid)
+                verts = step["vertices"].setdefault(str(tile), [])
+                for kernel, args in work.vertices:
+                    verts.append([kernel, [_arg(a, read_bufs, write_bufs) for a in args]])
+            steps.append(step)
+
+    end = len(steps)
+    for tile, bufs in buffers.items():
+        for b in bufs.values():
+            if "init" in b:
+                b["end"] = end          # constants persist across runs
+    outputs = []
+    for vid in graph.outputs:
+        v = graph.values[vid]
+        ranges = []
+        for tile, bid, (r0, r1, c0, c1) in stored[f"v{vid}"]:
+            buffers[tile][bid]["end"] = end
+            ranges.append([tile, bid, r0, r1, c0, c1])
+        outputs.append({"value": vid, "name": v.name, "ranges": sorted(ranges)})
+    in_ranges = defaultdict(list)
+    for (tile, blk), bid in sorted(input_bufs.items()):
+        in_ranges[int(blk[0][1:])].append([tile, bid, *blk[1:]])
+    return {
+        "tile_count": tile_count,
+        "steps": steps,
+        "buffers": {str(t): dict(sorted(b.items())) for t, b in sorted(buffers.items())},
+        "inputs": [{"value": vid, "name": graph.values[vid].name, "ranges": in_ranges[vid]}
+                   for vid in graph.inputs],
+        "outputs": outputs,
+    }
+
+
+def _arg(a, reads, writes):
+    if isinstance(a, tuple):
+        kind, i, off = a
+        return ["b", (reads if kind == "r" else writes)[i], off]
+    return a
+
+
+def _transfers(sources, blk, tile, bid, isz, name, use, step):
+    vk, rr0, rr1, rc0, rc1 = blk
+    covered = 0
+    out = []
+    for src_tile, src_buf, (sr0, sr1, sc0, sc1) in sources:
+        ir0, ir1, ic0, ic1 = max(rr0, sr0), min(rr1, sr1), max(rc0, sc0), min(rc1, sc1)
+        if ir0 >= ir1 or ic0 >= ic1:
+            continue
+        covered += (ir1 - ir0) * (ic1 - ic0)
+        use(src_tile, src_buf, step)
+        out.append([src_tile, src_buf, ((ir0 - sr0) * (sc1 - sc0) + (ic0 - sc0)) * isz, (sc1 - sc0) * isz,
+                    tile, bid, ((ir0 - rr0) * (rc1 - rc0) + (ic0 - rc0)) * isz, (rc1 - rc0) * isz,
+                    ir1 - ir0, (ic1 - ic0) * isz])
+    if covered != (rr1 - rr0) * (rc1 - rc0):
+        raise AssertionError(f"block {blk} of {name} is not covered by its producer's blocks")
+    return out
+
+
+def kernels_per_tile(program: dict) -> dict[str, list[str]]:
+    """The kernel variants each tile runs (every tile of the target, possibly none)."""
+    out: dict[str, set] = {t: set() for t in program["buffers"]}
+    for step in program["steps"]:
+        for tile, verts in step["vertices"].items():
+            out[tile].update(k for k, _ in verts)
+    return {t: sorted(ks) for t, ks in sorted(out.items(), key=lambda kv: int(kv[0]))}

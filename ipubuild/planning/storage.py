@@ -1,0 +1,82 @@
+"""Tile memory: the address ranges a tile offers, and liveness-based buffer allocation.
+
+Code (the host-exchange handler, kernels, the tile program, exchange tables) goes in the
+executable region below ``executable_end``; data goes in the ranges the runtime leaves free and
+above the code, up to the loader limit. Buffers whose lifetimes (in program steps) overlap never
+share bytes; others may.
+"""
+from __future__ import annotations
+
+from ..errors import UserError
+
+
+def align_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def tile_ranges(machine: dict, code_bytes: int) -> dict:
+    """The memory map of one tile whose generated code takes ``code_bytes``."""
+    m, c = machine["memory"], machine["code"]
+    data_start = align_up(m["runtime_linked_end"], 4096)
+    (res_lo, res_hi), = m["runtime_reserved"]
+    host = m["host_code_base"]
+    code_address = align_up(host + c["host_code_bytes"], 64)
+    code_end = code_address + code_bytes
+    available = [(data_start, res_lo), (res_hi, host),
+                 (align_up(code_end, m["element_bytes"]), m["loader_limit"])]
+    return {"linked_end": m["runtime_linked_end"], "host_code_base": host,
+            "code_address": code_address, "code_end": code_end,
+            "executable_ranges": [(code_address, m["executable_end"])],
+            "available_ranges": [r for r in available if r[0] < r[1]]}
+
+
+def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, names=None) -> dict[str, int]:
+    """Addresses for ``{id: {"size", "start", "end"}}`` (first fit, earliest-born first)."""
+    placed: list[tuple[int, int, int, int]] = []   # addr, size, start, end
+    out = {}
+    for bid in sorted(buffers, key=lambda b: (buffers[b]["start"], -buffers[b]["size"], b)):
+        b = buffers[bid]
+        size = align_up(max(b["size"], 1), alignment)
+        live = sorted((a, s) for a, s, st, en in placed if st <= b["end"] and b["start"] <= en)
+        addr = _first_fit(live, ranges, size, alignment)
+        if addr is None:
+            name = (names or {}).get(bid, bid)
+            free = _largest_gap(live, ranges)
+            raise UserError(f"tile {tile}", f"tensor {name} needs {size} bytes but the largest free "
+                            f"block of tile memory is {free} bytes; raise target.tile_count or "
+                            "choose a plan that splits it further")
+        placed.append((addr, size, b["start"], b["end"]))
+        out[bid] = addr
+    return dict(sorted(out.items()))
+
+
+def _gaps(live, lo, hi, alignment):
+    cursor = align_up(lo, alignment)
+    for a, s in live:
+        if a + s <= cursor:
+            continue
+        if a >= hi:
+            break
+        yield cursor, min(a, hi)
+        cursor = max(cursor, align_up(a + s, alignment))
+    if cursor < hi:
+        yield cursor, hi
+
+
+def _first_fit(live, ranges, size, alignment):
+    for lo, hi in ranges:
+        for g0, g1 in _gaps(live, lo, hi, alignment):
+            if g1 - g0 >= size:
+                return g0
+    return None
+
+
+def _largest_gap(live, ranges):
+    return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, 8)), default=0)
+
+
+def peak_bytes(buffers: dict[str, dict], addresses: dict[str, int], alignment: int) -> int:
+    """The highest byte address used, minus the lowest (for reports)."""
+    if not addresses:
+        return 0
+    return max(addresses[b] + align_up(buffers[b]["size"], alignment) for b in addresses) - min(addresses.values())

@@ -1,0 +1,118 @@
+"""Finding and loading plugins, and naming them in action keys and errors.
+
+Built-in features and third-party plugins alike are found through the ``ipubuild`` entry-point
+group; ``IPUBUILD_PLUGINS`` (comma-separated module names) adds modules by name, which is how a
+test registers a plugin "the same way entry points would" without installing it.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import os
+
+import pluggy
+
+from . import hookspecs
+from .errors import UserError
+from .fingerprint import code_fingerprint
+
+BUILTIN_MODULES = ("ipubuild.builtin.operators", "ipubuild.builtin.vit", "ipubuild.builtin.casts",
+                   "ipubuild.builtin.heuristics", "ipubuild.builtin.simulator")
+
+
+class PluginManager(pluggy.PluginManager):
+    """pluggy's manager plus fingerprints and one-line errors that name the plugin."""
+
+    def __init__(self):
+        super().__init__("ipubuild")
+        self.add_hookspecs(hookspecs)
+        self.dists: dict[str, tuple[str, str]] = {}   # plugin name -> (distribution, version)
+
+    def load(self, extra=()):
+        for name in BUILTIN_MODULES:
+            self._register_module(name, ("ipubuild", _version("ipubuild")))
+        for ep in sorted(importlib.metadata.entry_points(group="ipubuild"), key=lambda e: e.name):
+            if ep.value in BUILTIN_MODULES:
+                continue
+            try:
+                module = ep.load()
+            except Exception as exc:  # noqa: BLE001 - a broken plugin is named, not a traceback
+                raise UserError(f"plugin {ep.name} ({ep.value})", f"failed to import: {exc}") from exc
+            dist = ep.dist.name if ep.dist else ep.value
+            self._register(module, (dist, ep.dist.version if ep.dist else "0"))
+        for name in extra:
+            self._register_module(name, (name, "0"))
+        try:
+            self.check_pending()
+        except pluggy.PluginValidationError as exc:
+            raise UserError(f"plugin {exc.plugin}", f"{exc}; see ipubuild/hookspecs.py") from exc
+        return self
+
+    def _register_module(self, name, dist):
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001
+            raise UserError(f"plugin {name}", f"failed to import: {exc}") from exc
+        self._register(module, dist)
+
+    def _register(self, module, dist):
+        if self.is_registered(module):
+            return
+        try:
+            self.register(module, name=module.__name__)
+        except (pluggy.PluginValidationError, ValueError) as exc:
+            raise UserError(f"plugin {module.__name__}", str(exc)) from exc
+        self.dists[module.__name__] = dist
+
+    @functools.lru_cache(maxsize=None)
+    def fingerprints(self, hooks: tuple[str, ...]) -> dict[str, str]:
+        """``{plugin: "dist==version:code"}`` for the plugins implementing any of ``hooks``."""
+        out = {}
+        for hook in hooks:
+            for impl in getattr(self.hook, hook).get_hookimpls():
+                name = impl.plugin_name
+                dist, version = self.dists.get(name, (name, "0"))
+                out[name] = f"{dist}=={version}:{code_fingerprint(name)}"
+        return dict(sorted(out.items()))
+
+    def call(self, hook: str, **kwargs):
+        """Call a hook; a plugin that raises is named with the hook in a one-line error."""
+        caller = getattr(self.hook, hook)
+        try:
+            return caller(**kwargs)
+        except UserError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            culprit = _culprit(exc) or "a plugin"
+            raise UserError(f"plugin {culprit}", f"hook {hook} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _culprit(exc) -> str | None:
+    tb = exc.__traceback__
+    names = []
+    while tb is not None:
+        names.append(tb.tb_frame.f_globals.get("__name__", ""))
+        tb = tb.tb_next
+    for n in reversed(names):
+        if n and not n.startswith(("pluggy", "ipubuild.plugins")):
+            return n
+    return None
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _manager(extra: tuple[str, ...]) -> PluginManager:
+    return PluginManager().load(extra)
+
+
+def get_plugin_manager() -> PluginManager:
+    """The process's plugin manager, with ``$IPUBUILD_PLUGINS`` modules added."""
+    extra = tuple(m for m in os.environ.get("IPUBUILD_PLUGINS", "").split(",") if m)
+    return _manager(extra)

@@ -1,0 +1,103 @@
+"""The content-addressed store: blobs by sha256, an action cache, and the provenance of blobs.
+
+Blobs live in one diskcache (size-limited, evicted least-recently-stored); action records and
+provenance in another, small and never evicted, so an evicted blob can always be rebuilt by
+re-running the action that produced it. Values are raw bytes (never pickled) and keys hex
+digests. Every read is verified: a blob whose digest does not match, or an action record whose
+checksum does not, is dropped with a warning and reported as missing, never returned.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import diskcache
+
+from . import canonical
+from .log import log
+
+DEFAULT_SIZE_LIMIT = 4 * 2**30
+
+
+def cache_dir(project_root: Path) -> Path:
+    """Where the cache lives: ``$IPUBUILD_CACHE_DIR`` or ``<project>/.ipubuild/cache``."""
+    return Path(os.environ.get("IPUBUILD_CACHE_DIR") or project_root / ".ipubuild" / "cache")
+
+
+def size_limit() -> int:
+    """The blob store's size limit in bytes: ``$IPUBUILD_CACHE_SIZE`` (default 4 GiB)."""
+    return int(os.environ.get("IPUBUILD_CACHE_SIZE") or DEFAULT_SIZE_LIMIT)
+
+
+class Store:
+    """Blobs, action records and provenance on disk; safe across threads and processes."""
+
+    def __init__(self, root: Path, size_limit: int = DEFAULT_SIZE_LIMIT):
+        self.root = Path(root)
+        self.blobs = diskcache.Cache(str(self.root / "cas"), size_limit=size_limit,
+                                     eviction_policy="least-recently-stored")
+        self.meta = diskcache.Cache(str(self.root / "actions"), size_limit=2**62,
+                                    eviction_policy="none")
+
+    # blobs ---------------------------------------------------------------------------------
+    def put(self, data: bytes) -> str:
+        """Store a blob (idempotent) and return its digest."""
+        key = canonical.digest(data)
+        if key not in self.blobs:
+            self.blobs.set(key, bytes(data))
+        return key
+
+    def get(self, key: str) -> bytes | None:
+        """The verified blob for a digest, or None if it is missing or was corrupt (then dropped)."""
+        try:
+            data = self.blobs.get(key)
+        except OSError:
+            data = None
+        if data is None:
+            return None
+        if canonical.digest(data) != key:
+            log.warning(f"dropped corrupt cache blob digest={key[:16]}; it will be rebuilt")
+            self.blobs.delete(key)
+            return None
+        return data
+
+    def drop(self, key: str) -> None:
+        self.blobs.delete(key)
+
+    # checksummed records ------------------------------------------------------------------
+    def _put_record(self, key: str, value) -> None:
+        payload = canonical.dumps(value)
+        self.meta.set(key, canonical.digest(payload).encode() + payload)
+
+    def _get_record(self, key: str):
+        try:
+            raw = self.meta.get(key)
+        except OSError:
+            raw = None
+        if raw is None:
+            return None
+        check, payload = raw[:64], raw[64:]
+        if canonical.digest(payload).encode() != check:
+            log.warning(f"dropped corrupt cache record key={key[:24]}")
+            self.meta.delete(key)
+            return None
+        return canonical.loads(payload)
+
+    def get_action(self, action_key: str) -> dict | None:
+        """The output digests recorded for an action key, or None."""
+        return self._get_record("ac:" + action_key)
+
+    def put_action(self, action_key: str, outputs: dict) -> None:
+        self._put_record("ac:" + action_key, outputs)
+
+    def get_provenance(self, digest: str) -> dict | None:
+        """How a blob was made: the phase, its input digests and configuration, the output slot."""
+        return self._get_record("prov:" + digest)
+
+    def put_provenance(self, digest: str, record: dict) -> None:
+        if self.meta.get("prov:" + digest) is None:
+            self._put_record("prov:" + digest, record)
+
+    def close(self) -> None:
+        self.blobs.close()
+        self.meta.close()

@@ -1,0 +1,204 @@
+"""doit integration: every target's steps as doit tasks, the ``build:<target>`` entry point, and
+``inspect:<target>``.
+
+A project's ``dodo.py`` is three lines::
+
+    from ipubuild.tasks import load
+    globals().update(load(__file__))
+
+Tasks are named ``<phase>:<target>`` (``place_storage:vit_fp8``), ``compile_kernels:<variant>``
+and ``build_tile_images:<target>/tile<N>``; ``doit list --all`` shows them. A task's
+``file_dep`` are the reference files of its inputs (and real sources), its ``targets`` the
+reference files of its outputs; an ``uptodate`` check on the phase's code, plugins and
+configuration re-runs it when those change. One lock per tree serialises concurrent runs.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from doit.exceptions import TaskFailed
+from doit.reporter import ConsoleReporter
+from doit.tools import config_changed
+
+from . import canonical
+from .errors import UserError
+from .files import write_if_changed
+from .log import log, write_trace
+from .pipeline import Step, Workspace
+
+_locks: dict[Path, object] = {}
+
+
+def hold_build_lock(root: Path) -> None:
+    """Take this tree's build lock for the rest of the process (waits for another run)."""
+    path = root / ".ipubuild" / "build.lock"
+    if path in _locks:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("waiting for another build in this tree", lock=path)
+        fcntl.flock(f, fcntl.LOCK_EX)
+    _locks[path] = f
+
+
+class Reporter(ConsoleReporter):
+    """doit's console reporter, with ipubuild's errors as one line and no traceback
+    (``IPUBUILD_VERBOSE=1`` shows tracebacks)."""
+
+    def add_failure(self, task, fail):
+        exc = fail.exception if hasattr(fail, "exception") else None
+        if isinstance(fail, TaskFailed) and not os.environ.get("IPUBUILD_VERBOSE"):
+            self._write(f"error: {fail.message}\n")
+            self.failures.append({"task": task, "exception": fail, "one_line": True})
+            return
+        super().add_failure(task, fail)
+
+    def complete_run(self):
+        rest = [f for f in self.failures if not f.get("one_line")]
+        self.failures = rest
+        super().complete_run()
+
+    def _write(self, text):
+        self.outstream.write(text)
+
+
+def _action(ws: Workspace, step: Step):
+    def run():
+        try:
+            ws.execute(step)
+        except UserError as exc:
+            return TaskFailed(str(exc))
+        except Exception as exc:  # noqa: BLE001
+            if os.environ.get("IPUBUILD_VERBOSE"):
+                traceback.print_exc()
+            return TaskFailed(f"internal error in phase {step.phase} ({type(exc).__name__}: {exc}); "
+                              "rerun with IPUBUILD_VERBOSE=1 for the traceback")
+        return None
+    return run
+
+
+def step_task(ws: Workspace, step: Step) -> dict:
+    deps = [str(ws.ref_path(a)) for a in step.inputs.values()] + [str(p) for p in step.sources.values()]
+    targets = [str(ws.ref_path(a)) for a in step.outputs.values()] + [str(p) for p in step.files.values()]
+    return {"basename": step.task, "name": step.name, "actions": [_action(ws, step)],
+            "file_dep": deps, "targets": targets, "uptodate": [config_changed(ws.signature(step))],
+            "doc": step.doc or f"phase {step.phase}", "verbosity": 2}
+
+
+def _finish(ws: Workspace, target: dict):
+    """Print the build's closing lines and write its trace; fail on a failed numerical test."""
+    def run():
+        t = target["name"]
+        verdict = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/verdict")))
+        cost = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/cost")))
+        out = ws.artifacts / t
+        rel = lambda p: os.path.relpath(p, ws.root)  # noqa: E731
+        write_if_changed(out / f"{t}.resolved.toml", _resolved(target))
+        write_trace(out / "build.trace.json")
+        log.plain(f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
+                  f"lower_bound={cost['lower_bound']}")
+        log.plain(f"profile={rel(out / f'{t}.profile.json')} tiles={verdict['tiles']} samples={verdict['samples']}")
+        log.plain(f"referenceMinimumCosineSimilarity={verdict['min_cosine']}")
+        verdict_word = "PASS" if verdict["pass"] else "FAIL"
+        log.plain(f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}")
+        device_word = "PASS" if verdict["device_ok"] else "FAIL"
+        log.plain(f"package={rel(out / f'{t}.ipuexe')} tiles={verdict['tiles']} "
+                  f"device={target['target']['device']} deviceTest={device_word}")
+        if not verdict["pass"]:
+            th = verdict["thresholds"]
+            return TaskFailed(f"{target['path']}: numerics: numerical test failed (min cosine "
+                              f"{verdict['min_cosine']} vs {th['min_cosine']}, max abs error "
+                              f"{verdict['max_abs_error']} vs {th['max_abs_error']})")
+        if not verdict["device_ok"]:
+            return TaskFailed(f"device {target['target']['device']}: a vertex reported an error")
+        return None
+    return run
+
+
+def _resolved(target: dict) -> bytes:
+    from .targets import dump_resolved
+    return dump_resolved(target)
+
+
+def _inspect(ws: Workspace, target: dict):
+    def run():
+        from .package import read_package, summarize
+        path = ws.artifacts / target["name"] / f"{target['name']}.ipuexe"
+        if not path.exists():
+            return TaskFailed(f"{path}: no package yet; run `doit build:{target['name']}` first")
+        try:
+            for line in summarize(read_package(path)):
+                log.plain(line)
+        except UserError as exc:
+            return TaskFailed(str(exc))
+        return None
+    return run
+
+
+def _broken(message: str):
+    def run():
+        return TaskFailed(message)
+    return run
+
+
+def load(dodo_file, *, extra_config: dict | None = None) -> dict:
+    """The namespace a dodo.py exposes: DOIT_CONFIG and one task creator for every target."""
+    root = Path(dodo_file).resolve().parent
+
+    def task_ipubuild():
+        hold_build_lock(root)
+        yield from _tasks(root)
+
+    task_ipubuild.create_doit_tasks = None
+    config = {"backend": "sqlite3", "dep_file": str(root / ".doit.db"), "verbosity": 2,
+              "reporter": Reporter, "default_tasks": [], **(extra_config or {})}
+    return {"DOIT_CONFIG": config, "task_ipubuild": task_ipubuild}
+
+
+def _tasks(root: Path):
+    from .build import kernel_steps, machine_step, target_steps
+    from .targets import discover, load_target
+    try:
+        ws = Workspace.at(root)
+    except UserError as exc:
+        yield {"basename": "build", "name": "all", "actions": [_broken(str(exc))]}
+        return
+    seen_machines, kernels = set(), None
+    for path in discover(root):
+        rel = os.path.relpath(path, root)
+        try:
+            target = load_target(rel if Path(rel).resolve() == path.resolve() else path)
+        except UserError as exc:
+            yield {"basename": "build", "name": path.stem, "actions": [_broken(str(exc))],
+                   "doc": f"build {path.stem} (the target file has an error)"}
+            continue
+        machine = target["target"]["machine"]
+        try:
+            if machine not in seen_machines:
+                yield step_task(ws, machine_step(machine))
+                if kernels is None:
+                    ksteps = kernel_steps(machine)
+                    kernels = [s.name for s in ksteps]
+                    for s in ksteps:
+                        yield step_task(ws, s)
+                seen_machines.add(machine)
+            steps = target_steps(target, kernels, ws.artifacts)
+        except UserError as exc:
+            yield {"basename": "build", "name": target["name"], "actions": [_broken(str(exc))]}
+            continue
+        for s in steps:
+            yield step_task(ws, s)
+        t = target["name"]
+        yield {"basename": "build", "name": t, "actions": [_finish(ws, target)],
+               "file_dep": [str(ws.ref_path(f"{t}/verdict")), str(ws.ref_path(f"{t}/cost"))],
+               "uptodate": [False], "verbosity": 2,
+               "doc": f"compile, package, run on the device and check {t}"}
+        yield {"basename": "inspect", "name": t, "actions": [_inspect(ws, target)], "uptodate": [False],
+               "verbosity": 2, "doc": f"summarise the package of {t}"}

@@ -1,0 +1,366 @@
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from ipubuild import fp8
+
+try:
+    from . import kernel_harness as kh  # type: ignore  # when tests/ is a package
+except ImportError:
+    import kernel_harness as kh
+
+F32, F16, F143, F152 = kh.IPU_F32, kh.IPU_F16, kh.IPU_F143, kh.IPU_F152
+FP8_NAME = {F143: "f143", F152: "f152"}
+NP_STORE = {F32: np.float32, F16: np.uint16, F143: np.uint8, F152: np.uint8}
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory):
+    return kh.KernelCache(tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.fixture
+def tile():
+    return kh.TileMemory()
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+# ---------------------------------------------------------------- helpers
+
+def store(x, t, scale=0):
+    """float32 values -> stored representation of type t."""
+    if t == F32:
+        return x.astype(np.float32)
+    if t == F16:
+        return fp8.to_f16_bits(x)
+    return fp8.encode(x, FP8_NAME[t], scale)
+
+
+def unscaled(raw, t):
+    """stored representation -> float32 values (no scale)."""
+    if t == F32:
+        return raw.astype(np.float32)
+    if t == F16:
+        return fp8.from_f16_bits(raw)
+    return fp8.decode(raw, FP8_NAME[t])
+
+
+def random_bits_f32(r, n):
+    return r.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+
+
+# ---------------------------------------------------------------- cast
+
+CAST_VARIANTS = [(F32, F143), (F32, F152), (F143, F32), (F152, F32), (F32, F16), (F16, F32)]
+
+
+@pytest.mark.parametrize("src_t,dst_t", CAST_VARIANTS)
+@pytest.mark.parametrize("scale", [0, 5, -9, 32, -32])
+def test_cast_bit_exact(kernels, tile, src_t, dst_t, scale):
+    k = kernels.get("cast", SRC_TYPE=src_t, DST_TYPE=dst_t)
+    r = rng(abs(scale) + 100 * src_t + 10 * dst_t)
+    if src_t == F32:
+        special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 240.0, 241.0, -250.0, 57344.0, 61440.0,
+                            65504.0, 65520.0, 2.0**-10, 2.0**-11, 3 * 2.0**-11, 2.0**-17, 2.0**-18,
+                            2.0**-24, 2.0**-25, 3 * 2.0**-25, -1e-30, 1e-45, 1.0625, 1.1875],
+                           np.float32)
+        src = np.concatenate([special, random_bits_f32(r, 3000),
+                              (r.standard_normal(3000) * 10.0 ** r.integers(-8, 6, 3000)).astype(np.float32)])
+    elif src_t == F16:
+        src = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    else:
+        src = np.tile(np.arange(256, dtype=np.uint8), 3)
+    n = src.size
+    a_src = tile.put(src, offset=1 if src_t != F32 else 0)
+    a_dst = tile.alloc(n * np.dtype(NP_STORE[dst_t]).itemsize, offset=3)  # misaligned store
+    assert k(tile, [a_src, a_dst, n, scale & 0xFFFFFFFF]) == 0
+    got = tile.read(a_dst, NP_STORE[dst_t], (n,))
+
+    if dst_t in FP8_NAME:
+        expect = fp8.encode(src, FP8_NAME[dst_t], scale)
+        np.testing.assert_array_equal(got, expect)
+    elif src_t in FP8_NAME:
+        expect = fp8.decode(src, FP8_NAME[src_t], scale)
+        np.testing.assert_array_equal(got.view(np.uint32), expect.view(np.uint32))
+    elif dst_t == F16:
+        expect = fp8.to_f16_bits(src)
+        nan = np.isnan(src)
+        np.testing.assert_array_equal(got[~nan], expect[~nan])
+        assert np.all((got[nan] & 0x7C00) == 0x7C00) and np.all(got[nan] & 0x3FF)
+    else:  # f16 -> f32
+        expect = fp8.from_f16_bits(src)
+        nan = np.isnan(expect)
+        np.testing.assert_array_equal(got.view(np.uint32)[~nan], expect.view(np.uint32)[~nan])
+        assert np.all(np.isnan(got[nan]))
+
+
+def test_cast_does_not_touch_neighbours(kernels, tile):
+    k = kernels.get("cast", SRC_TYPE=F32, DST_TYPE=F143)
+    a_src = tile.put(np.ones(7, np.float32))
+    a_dst = tile.alloc(16)
+    before = tile.mem.copy()
+    assert k(tile, [a_src, a_dst, 7, 0]) == 0
+    changed = np.nonzero(tile.mem != before)[0]
+    assert changed.min() >= a_dst and changed.max() < a_dst + 7
+
+
+# ---------------------------------------------------------------- matmul
+
+MATMUL_VARIANTS = [(F143, F143), (F143, F152), (F152, F143), (F152, F152), (F16, F16), (F32, F32)]
+
+
+def matmul_ref(a_raw, b_raw, at, bt, m, k, n, trans, sa, sb, bias, c_old):
+    A = unscaled(a_raw, at).reshape(m, k).astype(np.float64)
+    B = unscaled(b_raw, bt)
+    B = (B.reshape(n, k).T if trans else B.reshape(k, n)).astype(np.float64)
+    r = (A @ B) * 2.0 ** -(sa + sb)
+    if bias is not None:
+        r = r + bias.astype(np.float64)
+    if c_old is not None:
+        r = r + c_old
+    return r.astype(np.float32)
+
+
+@pytest.mark.parametrize("at,bt", MATMUL_VARIANTS)
+@pytest.mark.parametrize("m,k,n", [(3, 5, 7), (1, 1, 1), (4, 16, 8), (2, 33, 3)])
+@pytest.mark.parametrize("flags", [0, 1, 2, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matmul(kernels, tile, at, bt, m, k, n, flags, with_bias):
+    kern = kernels.get("matmul", A_TYPE=at, B_TYPE=bt)
+    r = rng(m * 1000 + k * 10 + n + flags)
+    sa, sb = (3, -2) if at in FP8_NAME else (0, 0)
+    trans = bool(flags & 1)
+    a_raw = store(r.standard_normal(m * k).astype(np.float32) * 4, at, sa)
+    b_raw = store(r.standard_normal(k * n).astype(np.float32) * 4, bt, sb)
+    bias = r.standard_normal(n).astype(np.float32) if with_bias else None
+    c_old = r.standard_normal(m * n).astype(np.float32).reshape(m, n) if flags & 2 else None
+
+    a_addr = tile.put(a_raw, offset=1 if at in FP8_NAME else 0)
+    b_addr = tile.put(b_raw, offset=2 if bt == F16 else 0)
+    c_addr = tile.put(c_old if c_old is not None else np.full((m, n), np.nan, np.float32))
+    bias_addr = tile.put(bias) if bias is not None else 0
+    args = [a_addr, b_addr, c_addr, m, k, n, flags, sa & 0xFFFFFFFF, sb & 0xFFFFFFFF, bias_addr]
+    assert kern(tile, args) == 0
+    got = tile.read(c_addr, np.float32, (m, n))
+    expect = matmul_ref(a_raw, b_raw, at, bt, m, k, n, trans, sa, sb, bias, c_old)
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-6)
+
+
+def test_matmul_fp8_exact_products(kernels, tile):
+    """With small integers the f32 result is exact, so compare bit-exactly incl. scaling."""
+    kern = kernels.get("matmul", A_TYPE=F143, B_TYPE=F152)
+    r = rng(7)
+    m, k, n = 3, 5, 7
+    A = r.integers(-8, 9, (m, k)).astype(np.float32)
+    B = r.integers(-8, 9, (k, n)).astype(np.float32)
+    sa, sb = -4, 6
+    a_raw, b_raw = fp8.encode(A * 2.0**-sa, "f143", sa), fp8.encode(B * 2.0**-sb, "f152", sb)
+    np.testing.assert_array_equal(fp8.decode(a_raw, "f143", sa), A * 2.0**-sa)
+    a_addr, b_addr, c_addr = tile.put(a_raw), tile.put(b_raw), tile.alloc(m * n * 4)
+    assert kern(tile, [a_addr, b_addr, c_addr, m, k, n, 0, sa & 0xFFFFFFFF, sb & 0xFFFFFFFF, 0]) == 0
+    expect = (A * 2.0**-sa) @ (B * 2.0**-sb)  # real values: decode(code, s)
+    np.testing.assert_array_equal(tile.read(c_addr, np.float32, (m, n)), expect)
+
+
+def test_matmul_nan_and_saturated_inputs(kernels, tile):
+    kern = kernels.get("matmul", A_TYPE=F143, B_TYPE=F143)
+    A = np.array([[np.nan, 1.0], [1e9, 1.0]], np.float32)
+    B = np.array([[1.0, 0.0], [0.0, 1.0]], np.float32)
+    a_raw, b_raw = fp8.encode(A, "f143"), fp8.encode(B, "f143")
+    a_addr, b_addr, c_addr = tile.put(a_raw), tile.put(b_raw), tile.alloc(16)
+    assert kern(tile, [a_addr, b_addr, c_addr, 2, 2, 2, 0, 0, 0, 0]) == 0
+    got = tile.read(c_addr, np.float32, (2, 2))
+    assert np.isnan(got[0]).all()
+    np.testing.assert_array_equal(got[1], [240.0, 1.0])
+
+
+def test_matmul_invalid_flags(kernels, tile):
+    kern = kernels.get("matmul", A_TYPE=F32, B_TYPE=F32)
+    a = tile.put(np.ones(4, np.float32))
+    assert kern(tile, [a, a, tile.alloc(16), 2, 2, 2, 4, 0, 0, 0]) != 0
+
+
+def test_matmul_unknown_type_is_compile_error(tmp_path):
+    with pytest.raises(subprocess.CalledProcessError):
+        kh.compile_kernel("matmul", tmp_path, {"A_TYPE": 9, "B_TYPE": 0})
+    with pytest.raises(subprocess.CalledProcessError):
+        kh.compile_kernel("cast", tmp_path, {"SRC_TYPE": 0})
+
+
+# ---------------------------------------------------------------- add
+
+@pytest.mark.parametrize("rows,cols,b_rows", [(3, 7, 1), (3, 7, 3), (1, 1, 1), (5, 33, 5)])
+@pytest.mark.parametrize("alias", [False, True])
+def test_add(kernels, tile, rows, cols, b_rows, alias):
+    kern = kernels.get("add")
+    r = rng(rows * cols + b_rows)
+    a = r.standard_normal((rows, cols)).astype(np.float32)
+    a[0, 0] = np.nan
+    b = r.standard_normal((b_rows, cols)).astype(np.float32)
+    a_addr, b_addr = tile.put(a), tile.put(b)
+    c_addr = a_addr if alias else tile.alloc(a.nbytes)
+    assert kern(tile, [a_addr, b_addr, c_addr, rows, cols, b_rows]) == 0
+    np.testing.assert_array_equal(tile.read(c_addr, np.float32, (rows, cols)), a + b)
+
+
+def test_add_invalid_b_rows(kernels, tile):
+    kern = kernels.get("add")
+    a = tile.put(np.ones((3, 2), np.float32))
+    assert kern(tile, [a, a, a, 3, 2, 2]) != 0
+    assert kern(tile, [a, a, a, 3, 2, 0]) != 0
+
+
+# ---------------------------------------------------------------- layernorm
+
+@pytest.mark.parametrize("rows,cols", [(3, 7), (1, 1), (4, 64), (2, 129)])
+@pytest.mark.parametrize("alias", [False, True])
+def test_layernorm(kernels, tile, rows, cols, alias):
+    kern = kernels.get("layernorm")
+    r = rng(rows + cols)
+    x = (r.standard_normal((rows, cols)) * 3 + 1).astype(np.float32)
+    g = r.standard_normal(cols).astype(np.float32)
+    bt = r.standard_normal(cols).astype(np.float32)
+    eps = np.float32(1e-5)
+    xa, ga, ba = tile.put(x), tile.put(g), tile.put(bt)
+    ya = xa if alias else tile.alloc(x.nbytes)
+    assert kern(tile, [xa, ga, ba, ya, rows, cols, kh.f32_bits(eps)]) == 0
+    x64 = x.astype(np.float64)
+    mean = x64.mean(axis=1, keepdims=True)
+    var = ((x64 - mean) ** 2).mean(axis=1, keepdims=True)
+    expect = (x64 - mean) / np.sqrt(var + eps) * g + bt
+    np.testing.assert_allclose(tile.read(ya, np.float32, (rows, cols)), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_layernorm_invalid(kernels, tile):
+    a = tile.put(np.ones(4, np.float32))
+    assert kernels.get("layernorm")(tile, [a, a, a, a, 1, 0, kh.f32_bits(1e-5)]) != 0
+
+
+# ---------------------------------------------------------------- softmax
+
+@pytest.mark.parametrize("rows,cols", [(3, 7), (1, 1), (4, 100)])
+@pytest.mark.parametrize("scale", [1.0, 0.125, -2.0])
+@pytest.mark.parametrize("alias", [False, True])
+def test_softmax(kernels, tile, rows, cols, scale, alias):
+    kern = kernels.get("softmax")
+    r = rng(rows * cols)
+    x = (r.standard_normal((rows, cols)) * 5).astype(np.float32)
+    if cols > 1:
+        x[0, 1] = 80.0  # would overflow expf without max subtraction
+    xa = tile.put(x)
+    ya = xa if alias else tile.alloc(x.nbytes)
+    assert kern(tile, [xa, ya, rows, cols, kh.f32_bits(scale)]) == 0
+    z = np.float32(scale) * x.astype(np.float64)
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    expect = e / e.sum(axis=1, keepdims=True)
+    got = tile.read(ya, np.float32, (rows, cols))
+    np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got.sum(axis=1), 1.0, rtol=1e-5)
+
+
+def test_softmax_invalid(kernels, tile):
+    a = tile.put(np.ones(4, np.float32))
+    assert kernels.get("softmax")(tile, [a, a, 1, 0, kh.f32_bits(1.0)]) != 0
+
+
+# ---------------------------------------------------------------- gelu
+
+@pytest.mark.parametrize("n", [1, 7, 1000])
+@pytest.mark.parametrize("alias", [False, True])
+def test_gelu(kernels, tile, n, alias):
+    kern = kernels.get("gelu")
+    x = (rng(n).standard_normal(n) * 4).astype(np.float32)
+    x[0] = 0.0
+    xa = tile.put(x)
+    ya = xa if alias else tile.alloc(x.nbytes, offset=1)
+    assert kern(tile, [xa, ya, n]) == 0
+    x64 = x.astype(np.float64)
+    expect = 0.5 * x64 * (1 + np.tanh(0.7978845608 * (x64 + 0.044715 * x64**3)))
+    np.testing.assert_allclose(tile.read(ya, np.float32, (n,)), expect, rtol=1e-5, atol=1e-6)
+
+
+def test_gelu_special(kernels, tile):
+    x = np.array([np.nan, np.inf, -np.inf, 20.0, -20.0], np.float32)
+    xa = tile.put(x)
+    assert kernels.get("gelu")(tile, [xa, xa, x.size]) == 0
+    got = tile.read(xa, np.float32, (x.size,))
+    assert np.isnan(got[0])
+    assert got[1] == np.inf
+    assert np.isnan(got[2])  # -inf * 0
+    np.testing.assert_allclose(got[3:], [20.0, 0.0], atol=1e-6)
+
+
+# ---------------------------------------------------------------- copy
+
+def test_copy_strided(kernels, tile):
+    kern = kernels.get("copy")
+    src = np.arange(200, dtype=np.uint8)
+    sa = tile.put(src, offset=1)
+    da = tile.alloc(300, offset=3)
+    before = tile.mem.copy()
+    assert kern(tile, [sa, da, 5, 13, 17, 29]) == 0
+    expect = before.copy()
+    for r in range(5):
+        expect[da + 29 * r: da + 29 * r + 13] = src[17 * r: 17 * r + 13]
+    np.testing.assert_array_equal(tile.mem, expect)
+
+
+def test_copy_overlapping_row(kernels, tile):
+    kern = kernels.get("copy")
+    buf = np.arange(64, dtype=np.uint8)
+    a = tile.put(buf)
+    assert kern(tile, [a, a + 3, 1, 40, 0, 0]) == 0  # memmove semantics
+    expect = buf.copy()
+    expect[3:43] = buf[0:40]
+    np.testing.assert_array_equal(tile.read(a, np.uint8, (64,)), expect)
+
+
+def test_copy_zero_rows(kernels, tile):
+    before = tile.mem.copy()
+    assert kernels.get("copy")(tile, [0x4C000, 0x4D000, 0, 8, 8, 8]) == 0
+    np.testing.assert_array_equal(tile.mem, before)
+
+
+# ---------------------------------------------------------------- reduce
+
+@pytest.mark.parametrize("count,n", [(1, 5), (2, 7), (5, 33)])
+@pytest.mark.parametrize("alias", [False, True])
+def test_reduce(kernels, tile, count, n, alias):
+    kern = kernels.get("reduce")
+    r = rng(count * n)
+    srcs = [(r.standard_normal(n) * 10.0 ** r.integers(-3, 4)).astype(np.float32) for _ in range(count)]
+    addrs = [tile.put(s, offset=0 if i % 2 == 0 else 2) for i, s in enumerate(srcs)]
+    dst = addrs[0] if alias else tile.alloc(4 * n)
+    assert kern(tile, [dst, n, count, *addrs]) == 0
+    expect = srcs[0].copy()
+    for s in srcs[1:]:
+        expect = (expect + s).astype(np.float32)  # f32, in order
+    np.testing.assert_array_equal(tile.read(dst, np.float32, (n,)), expect)
+
+
+def test_reduce_invalid(kernels, tile):
+    assert kernels.get("reduce")(tile, [0x4C000, 4, 0]) != 0
+
+
+# ---------------------------------------------------------------- build properties
+
+def test_single_export_and_reproducible(kernels, tmp_path):
+    nm = shutil.which("nm")
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    p1 = kh.compile_kernel("softmax", tmp_path / "x", {})
+    p2 = kh.compile_kernel("softmax", tmp_path / "y", {})
+    assert p1.read_bytes() == p2.read_bytes()
+    if nm:
+        for name, defs in [("softmax", {}), ("matmul", {"A_TYPE": F143, "B_TYPE": F152})]:
+            p = kernels.get(name, **defs).path
+            out = subprocess.run([nm, "-D", "--defined-only", str(p)], capture_output=True, text=True).stdout
+            syms = [ln.split()[-1] for ln in out.splitlines() if ln.split() and ln.split()[-2] in "TtDdBb"]
+            assert syms == ["ipu_vertex"], syms
