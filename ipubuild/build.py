@@ -32,7 +32,8 @@ def kernel_steps(machine: str) -> list[Step]:
         headers = {f"header/{h.name}": h for h in included_headers(source)}
         out.append(Step("compile_kernels", name, "compile_kernels",
                         inputs={"machine": f"machines/{machine}"},
-                        outputs={"object": f"kernels/{name}/object", "reservation": f"kernels/{name}/reservation"},
+                        outputs={"object": f"kernels/{name}/object", "reservation": f"kernels/{name}/reservation",
+                                 "code_size": f"kernels/{name}/code_size"},
                         sources={"source": source, **headers},
                         config={"kernel": {"name": name, "source_name": source.name, "defines": [list(d) for d in kv.defines],
                                            "where": _short(source)},

@@ -77,7 +77,7 @@ def evaluate_reference(ctx):
 
 
 # kernels ---------------------------------------------------------------------------------------
-@phase("compile_kernels", inputs=("source", "header/*", "machine"), outputs=("object", "reservation"),
+@phase("compile_kernels", inputs=("source", "header/*", "machine"), outputs=("object", "reservation", "code_size"),
        config=("kernel", "compiler"))
 def compile_kernels(ctx):
     k, c = ctx.config["kernel"], ctx.config["compiler"]
@@ -86,7 +86,9 @@ def compile_kernels(ctx):
                          c["cc"], c["cflags"], k["where"])
     code = text_bytes(obj)
     quantum = machine_of(ctx)["code"]["reservation_quantum"]
-    return {"object": obj, "reservation": _json({"code_bytes": code, "reserved": reserve(code, quantum)})}
+    # the reservation alone feeds planning: the exact size changes with every edit, it does not
+    return {"object": obj, "reservation": _json({"reserved": reserve(code, quantum)}),
+            "code_size": _json({"code_bytes": code})}
 
 
 def reservations_of(ctx) -> dict[str, int]:
