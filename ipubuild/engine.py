@@ -98,6 +98,7 @@ class Engine:
         self.plugin_fingerprints = plugin_fingerprints or (lambda hooks: {})
         self._decoded: collections.OrderedDict[str, object] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.stats = collections.Counter()   # "hit" / "miss" counts of run()
 
     def action_key(self, ph: Phase, inputs: dict[str, str], config: dict) -> str:
         return canonical.digest_of({
@@ -116,7 +117,9 @@ class Engine:
         if not force:
             recorded = self.store.get_action(key)
             if recorded is not None:
+                self.stats["hit"] += 1
                 return Result(recorded, True, int((time.perf_counter() - t0) * 1000), key)
+        self.stats["miss"] += 1
         blobs = ph.fn(Context(self, ph, inputs, config))
         outputs = {}
         subset = config_subset(config, ph.config)

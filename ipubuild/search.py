@@ -1,8 +1,397 @@
-"""The layout search inside ``plan_package`` (see issue: layout search)."""
+"""The layout search inside ``plan_package``: local search over the layout, as the reference does.
+
+A layout chooses, for every operation, a plan (how it splits over tiles) and a tile offset (where
+its tile set starts). Starting from the heuristics' initial layout, each round asks the search
+heuristics (plugins) for changes to the incumbent, screens them with a cheap estimate
+(``invalid``, ``visited``, ``not_cheaper``, ``deduplicated``, ``truncated``, ``shortlisted``),
+evaluates the shortlist exactly (the compiler's own phases up to the costed, placed program,
+through the shared cache, in worker processes) and accepts the best improvement. The state is
+saved after every attempt; a re-run validates the saved incumbent and resumes. Only the winner
+gets tile images: candidates stop at ``optimize_exchange_placement``, where the cost is known.
+"""
 from __future__ import annotations
 
-from .planning.program import default_layout
+import collections
+import concurrent.futures
+import dataclasses
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from . import canonical
+from .engine import PHASES
+from .errors import UserError
+from .files import write_atomic
+from .log import log, span
+from .operators import ceil_div, registry
+from .planning.cost import vertex_cycles
+from .planning.program import default_layout, intersect, plans_of
+
+EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
+              "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
+
+
+@dataclasses.dataclass(frozen=True)
+class Changes:
+    """A change to a layout, in the reference's terms. Built-in heuristics change ``plans``
+    (operation -> plan index) and ``boundaries`` (operation -> tile offset: where its tile set
+    starts); the other fields are carried for heuristics that can express them."""
+    plans: tuple = ()
+    boundaries: tuple = ()
+    casts: tuple = ()
+    early_casts: tuple = ()
+    packing_rows: tuple = (None, None)
+    parallel_reductions: tuple = (0, 0)
+    disjoint_copy_sources: tuple = (False, False)
+    cast_storage: tuple = (None, None)
+
+    def apply(self, layout: dict, plans: dict[int, list], tile_count: int) -> dict | None:
+        """The changed layout, or None if this layout cannot express the change."""
+        if self.casts or self.early_casts or self.packing_rows != (None, None) \
+                or self.parallel_reductions != (0, 0) or self.disjoint_copy_sources != (False, False):
+            return None
+        ops = {k: dict(v) for k, v in layout["ops"].items()}
+        for op, plan in self.plans:
+            if str(op) not in ops or not 0 <= plan < len(plans[op]):
+                return None
+            ops[str(op)]["plan"] = plan
+        for op, offset in self.boundaries:
+            if str(op) not in ops or not 0 <= offset < tile_count:
+                return None
+            ops[str(op)]["offset"] = offset
+        out = dict(layout, ops=ops)
+        return None if out == layout else out
+
+    def describe(self, graph, policy: str) -> str:
+        ops = ", ".join(f"OperationId({op})" for op, _ in sorted(self.plans))
+        values = ", ".join(f"ValueId({graph.ops[op].outputs[0]})" for op, _ in sorted(self.boundaries))
+        pr, pd, dc = self.packing_rows, self.parallel_reductions, self.disjoint_copy_sources
+        return (f"Changes {{ plans: {{{ops}}}, boundaries: [{values}], casts: {list(self.casts)}, "
+                f"early_casts: {list(self.early_casts)}, packing_rows: ({pr[0]}, {pr[1]}), "
+                f"parallel_reductions: ({pd[0]}, {pd[1]}), disjoint_copy_sources: "
+                f"({str(dc[0]).lower()}, {str(dc[1]).lower()}), cast_storage: (Some({policy}), Some({policy})) }}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Heuristic:
+    """A search heuristic: ``propose(layout, context) -> list[Changes]``, deterministic."""
+    name: str
+    propose: Callable
+
+
+class SearchContext:
+    """What heuristics see: the graph, each operation's plans, the tile count and an estimator."""
+
+    def __init__(self, graph, tile_count: int, machine: dict):
+        self.graph, self.tile_count, self.machine = graph, tile_count, machine
+        self.plans = plans_of(graph, tile_count)
+        self.estimator = Estimator(graph, tile_count, machine, self.plans)
+        self.producer = {v: op for op in graph.ops for v in op.outputs}
+
+
+class Estimator:
+    """A cheap cost estimate of a layout: per operation stage, the slowest tile's compute, the
+    busiest exchange port's bytes and a sync. Terms are cached by the choices they depend on
+    (the operation's and its producers'), so re-estimating a change costs a few operations."""
+
+    def __init__(self, graph, tile_count, machine, plans):
+        self.g, self.T, self.m, self.plans = graph, tile_count, machine, plans
+        self.reg = registry()
+        self.producer = {v: op for op in graph.ops for v in op.outputs}
+        self.fixed = set(graph.constants) | set(graph.inputs)
+        self._lowered, self._terms = {}, {}
+
+    def lowering(self, op, plan: int):
+        k = (op.id, plan)
+        if k not in self._lowered:
+            self._lowered[k] = self.reg.get(op.type).lower(self.g, op, self.plans[op.id][plan])
+        return self._lowered[k]
+
+    def estimate(self, layout: dict) -> int:
+        return sum(self.term(op, layout) for op in self.g.ops)
+
+    def term(self, op, layout) -> int:
+        choice = layout["ops"][str(op.id)]
+        producers = sorted({self.producer[v].id for v in op.inputs if v not in self.fixed})
+        key = (op.id, choice["plan"], choice["offset"],
+               tuple((p, layout["ops"][str(p)]["plan"], layout["ops"][str(p)]["offset"]) for p in producers))
+        if key not in self._terms:
+            self._terms[key] = self._compute(op, layout)
+        return self._terms[key]
+
+    def _compute(self, op, layout) -> int:
+        stored = collections.defaultdict(list)
+        for v in op.inputs:
+            if v in self.fixed:
+                continue
+            p = self.producer[v]
+            pc = layout["ops"][str(p.id)]
+            for w in self.lowering(p, pc["plan"]).stages[-1]:
+                for blk in w.writes:
+                    stored[blk[0]].append(((pc["offset"] + w.tile) % self.T, blk[1:]))
+        choice = layout["ops"][str(op.id)]
+        x, c = self.m["exchange"], self.m["compute"]
+        total = 0
+        for stage in self.lowering(op, choice["plan"]).stages:
+            send, recv, entries = collections.Counter(), collections.Counter(), collections.Counter()
+            compute = collections.Counter()
+            for w in stage:
+                tile = (choice["offset"] + w.tile) % self.T
+                for blk in w.reads:
+                    for src, sblk in stored.get(blk[0], ()):
+                        hit = intersect(sblk, blk[1:])
+                        if hit is None or (src == tile and tuple(sblk) == tuple(blk[1:])):
+                            continue
+                        nbytes = hit * self._itemsize(blk[0])
+                        send[src] += nbytes
+                        recv[tile] += nbytes
+                        entries[src] += 1
+                compute[tile] += sum(vertex_cycles(k, a, self.m) for k, a in w.vertices)
+            for w in stage:
+                for blk in w.writes:
+                    stored[blk[0]].append(((choice["offset"] + w.tile) % self.T, blk[1:]))
+            port = max([*send.values(), *recv.values(), 0])
+            total += (ceil_div(port, x["bytes_per_cycle"]) + x["transfer_setup_cycles"] * max(entries.values(), default=0)
+                      + max(compute.values(), default=0) + x["sync_cycles"])
+        return total
+
+    def _itemsize(self, vk: str) -> int:
+        return self.g.values[int(vk[1:])].itemsize if vk.startswith("v") else 4
+
+
+# exact evaluation ------------------------------------------------------------------------------
+def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
+    """Run the compiler's phases up to the costed, placed program for ``layout``."""
+    artifacts = dict(base, layout=engine.store.put(canonical.dumps(layout)))
+    before = collections.Counter(engine.stats)
+    try:
+        for name in EVALUATION:
+            ph = PHASES[name]
+            inputs = {}
+            for slot in ph.inputs:
+                if slot.endswith("/*"):
+                    inputs.update({k: d for k, d in artifacts.items() if k.startswith(slot[:-1])})
+                else:
+                    inputs[slot] = artifacts[slot]
+            with span("phase", phase=name):
+                r = engine.run(name, inputs, config)
+                log.info("package build phase finished", phase=f'"{name}"', elapsed_ms=r.elapsed_ms,
+                         success=True, **({"cached": True} if r.hit else {}))
+            artifacts.update(r.outputs)
+    except UserError as exc:
+        return {"invalid": str(exc)}
+    cost = engine.decoded(artifacts["cost"])
+    after = engine.stats
+    return {"cycles": cost["final_cycles"], "exchange": cost["final_exchange"],
+            "hits": after["hit"] - before["hit"], "misses": after["miss"] - before["miss"]}
+
+
+_worker: dict = {}
+
+
+def _evaluate_in_worker(attempt: int, proposal: int, layout: dict) -> dict:
+    w = _worker
+    with span("local_candidate", attempt=attempt, proposal=proposal):
+        return evaluate(w["engine"], w["base"], layout, w["config"])
+
+
+class Pool:
+    """Evaluates candidates in ``workers`` forked processes (or in-process for one worker)."""
+
+    def __init__(self, workers: int, engine, base, config):
+        _worker.update(engine=engine, base=base, config=config)
+        self.workers = workers
+        self.executor = None
+        if workers > 1:
+            self.executor = concurrent.futures.ProcessPoolExecutor(
+                max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+
+    def map(self, jobs: list[tuple]) -> list[dict]:
+        if self.executor is None:
+            return [_evaluate_in_worker(*j) for j in jobs]
+        futures = [self.executor.submit(_evaluate_in_worker, *j) for j in jobs]
+        return [f.result() for f in futures]
+
+    def close(self):
+        if self.executor is not None:
+            self.executor.shutdown()
+
+
+# the search ------------------------------------------------------------------------------------
+def heuristics() -> list[Heuristic]:
+    from .plugins import get_plugin_manager
+    out = []
+    for declared in get_plugin_manager().call("ipubuild_search_heuristics"):
+        if not isinstance(declared, (list, tuple)) or not all(isinstance(h, Heuristic) for h in declared):
+            raise UserError("plugin", "ipubuild_search_heuristics must return a list of ipubuild.search.Heuristic")
+        out.extend(declared)
+    return sorted(out, key=lambda h: h.name)
+
+
+def state_path(ctx) -> Path:
+    return Path(ctx.engine.store.root).parent / "search" / f"{ctx.config['name']}.state.json"
+
+
+def _save(path: Path, state: dict) -> None:
+    data = canonical.dumps(state)
+    write_atomic(path, data)
+    log.info("saved mid-plan search state", path=os.path.relpath(path), attempts=state["attempts"], bytes=len(data))
+
+
+def _load(path: Path, key: str) -> dict | None:
+    try:
+        state = canonical.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("ignored unreadable search state", path=os.path.relpath(path), error=type(exc).__name__)
+        return None
+    if not isinstance(state, dict) or state.get("key") != key or "incumbent" not in state:
+        log.warning("ignored stale search state", path=os.path.relpath(path))
+        return None
+    return state
 
 
 def search_layout(ctx, graph) -> dict:
-    return default_layout(graph, ctx.config["target"]["tile_count"])
+    cfg = ctx.config["search"]
+    tiles = ctx.config["target"]["tile_count"]
+    from .planning.phases import machine_of
+    machine = machine_of(ctx)
+    sc = SearchContext(graph, tiles, machine)
+    est = sc.estimator
+    base = {"graph": ctx.digest("graph"), "machine": ctx.digest("machine"), "runtime": ctx.digest("runtime"),
+            **{k: d for k, d in ctx.input_digests.items() if k.startswith("reservation/")}}
+    key = ctx.engine.action_key(ctx.phase, ctx.input_digests, ctx.config)
+    path = state_path(ctx)
+    policy = str(graph.cast_storage)
+    found = heuristics()
+    t_start = time.perf_counter()
+    pool = Pool(cfg["workers"], ctx.engine, base, ctx.config)
+    try:
+        state = _load(path, key)
+        resuming = state is not None
+        if resuming:
+            incumbent = state["incumbent"]
+        else:
+            incumbent = initial_layout(sc, found)
+        result = pool.map([(0, 0, incumbent)])[0] if cfg["workers"] == 1 else \
+            evaluate(ctx.engine, base, incumbent, ctx.config)
+        if "invalid" in result:
+            raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
+        if resuming and result["cycles"] != state["cycles"]:
+            log.warning("ignored search state whose incumbent no longer costs what it says",
+                        saved=state["cycles"], now=result["cycles"])
+            resuming, state = False, None
+            incumbent = initial_layout(sc, found)
+            result = evaluate(ctx.engine, base, incumbent, ctx.config)
+        cycles = result["cycles"]
+        log.info("validated search incumbent", cycles=cycles, resuming=resuming)
+        if not resuming:
+            state = {"key": key, "incumbent": incumbent, "cycles": cycles, "attempts": 0, "round": 0,
+                     "visited": [canonical.digest_of(incumbent)], "history": []}
+            _save(path, state)
+        visited = set(state["visited"])
+        while state["round"] < cfg["rounds"] and time.perf_counter() - t_start < cfg["seconds"]:
+            rnd = state["round"] + 1
+            t0 = time.perf_counter()
+            proposals = [ch for h in found for ch in _proposals(h, incumbent, sc)]
+            counts, shortlist = screen(proposals, incumbent, sc, visited, cfg["shortlist"])
+            log.info("screened local search round", round=rnd, proposed=len(proposals), **counts)
+            screen_s = time.perf_counter() - t0
+            if not shortlist:
+                state["round"] = cfg["rounds"]
+                break
+            log.info("evaluating ordered local candidates concurrently", candidates=len(shortlist),
+                     threads=cfg["workers"])
+            _progress(f"search round {rnd}: evaluating {len(shortlist)} candidates")
+            jobs = [(state["attempts"] + i + 1, idx, layout) for i, (idx, layout, _) in enumerate(shortlist)]
+            t1 = time.perf_counter()
+            results = pool.map(jobs)
+            eval_s = time.perf_counter() - t1
+            state["attempts"] += len(jobs)
+            hits = sum(r.get("hits", 0) for r in results)
+            misses = sum(r.get("misses", 0) for r in results)
+            best = None
+            for (attempt, idx, layout), (_, _, changes), r in zip(jobs, shortlist, results):
+                visited.add(canonical.digest_of(layout))
+                if "invalid" in r:
+                    log.info("rejected invalid local candidate", attempt=attempt, proposal=idx, reason=r["invalid"])
+                elif r["cycles"] < cycles and (best is None or r["cycles"] < best[3]["cycles"]):
+                    best = (attempt, layout, changes, r)
+            log.info("measured local search round", round=rnd, proposals_per_s=f"{len(proposals) / max(screen_s, 1e-9):.0f}",
+                     evaluations_per_s=f"{len(jobs) / max(eval_s, 1e-9):.2f}",
+                     cache_hit_rate=f"{hits / max(1, hits + misses):.2f}")
+            state["round"] = rnd
+            if best is None:
+                log.info("retained incumbent layout: no candidate improved", round=rnd)
+                state["round"] = cfg["rounds"]
+            else:
+                attempt, layout, changes, r = best
+                log.info("accepted local layout improvement", attempt=attempt, before=cycles, after=r["cycles"],
+                         delta=changes.describe(graph, policy))
+                state["history"].append({"round": rnd, "before": cycles, "after": r["cycles"]})
+                incumbent, cycles = layout, r["cycles"]
+                state["incumbent"], state["cycles"] = incumbent, cycles
+            state["visited"] = sorted(visited)
+            _save(path, state)
+        return incumbent
+    finally:
+        pool.close()
+        _progress(None)
+
+
+def _proposals(h: Heuristic, layout, sc) -> list:
+    try:
+        out = h.propose(layout, sc)
+    except Exception as exc:  # noqa: BLE001
+        raise UserError(f"search heuristic {h.name}", f"propose raised {type(exc).__name__}: {exc}") from None
+    if not isinstance(out, (list, tuple)) or not all(isinstance(c, Changes) for c in out):
+        raise UserError(f"search heuristic {h.name}", "propose must return a list of ipubuild.search.Changes")
+    return list(out)
+
+
+def initial_layout(sc: SearchContext, found) -> dict:
+    """Every operation's default plan at tile 0 (heuristics then improve it)."""
+    return default_layout(sc.graph, sc.tile_count)
+
+
+def screen(proposals, incumbent, sc, visited, shortlist_size):
+    """Count proposals by screening outcome; return the counts and ``[(index, layout, changes)]``."""
+    counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0)
+    base = sc.estimator.estimate(incumbent)
+    seen, cheaper = set(), []
+    for idx, ch in enumerate(proposals):
+        layout = ch.apply(incumbent, sc.plans, sc.tile_count)
+        if layout is None:
+            counts["invalid"] += 1
+            continue
+        d = canonical.digest_of(layout)
+        if d in visited:
+            counts["visited"] += 1
+            continue
+        if d in seen:
+            counts["deduplicated"] += 1
+            continue
+        seen.add(d)
+        e = sc.estimator.estimate(layout)
+        if e >= base:
+            counts["not_cheaper"] += 1
+            continue
+        cheaper.append((e, idx, layout, ch))
+    cheaper.sort(key=lambda t: (t[0], t[1]))
+    short = cheaper[:shortlist_size]
+    counts["truncated"] = len(cheaper) - len(short)
+    counts["shortlisted"] = len(short)
+    return counts, [(idx, layout, ch) for _, idx, layout, ch in short]
+
+
+def _progress(text: str | None) -> None:
+    if not sys.stderr.isatty():
+        return
+    sys.stderr.write("\r\033[K" + (text or ""))
+    if text is None:
+        sys.stderr.write("")
+    sys.stderr.flush()

@@ -107,7 +107,7 @@ def compile_runtime(ctx):
 
 # planning --------------------------------------------------------------------------------------
 @phase("plan_package", inputs=("graph", "machine", "runtime", "reservation/*"), outputs=("layout",),
-       config=("target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
+       config=("name", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
 def plan_package(ctx):
     from ..search import search_layout
     g = graph_of(ctx)
@@ -158,18 +158,30 @@ def place_provisional_storage(ctx):
     return {"program": _json(program), "provisional_storage": _json(_allocate_all(program, code, m))}
 
 
+@phase("schedule_exchange_phase", inputs=("transfers", "machine"), outputs=("schedule",))
+def schedule_exchange_phase(ctx):
+    """One exchange phase's schedule: a sub-phase, so that identical phases (in this program or
+    in a search candidate) reuse it from the cache."""
+    return {"schedule": _json(exchange.schedule_phase(ctx.json("transfers"), machine_of(ctx)))}
+
+
 @phase("schedule_provisional_exchanges", inputs=("program", "machine"), outputs=("exchange_schedule",))
 def schedule_provisional_exchanges(ctx):
-    program, m = ctx.json("program"), machine_of(ctx)
+    program = ctx.json("program")
     out = []
     for s, step in enumerate(program["steps"]):
         if not step["transfers"]:
             out.append({"transfers": [], "horizon": 0, "use_paired": False})
             continue
-        sched = exchange.schedule_phase(step["transfers"], m)
-        log.info("compared ordinary and paired exchange schedules", phase=s, candidates=sched["candidates"],
-                 ordinary_horizon=sched["ordinary_horizon"], paired_horizon=sched["paired_horizon"],
-                 use_paired=sched["use_paired"])
+        transfers = ctx.engine.store.put(_json(step["transfers"]))
+        r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
+        sched = ctx.engine.decoded(r.outputs["schedule"])
+        if r.hit:
+            log.info("reused exchange optimization after validating relocated rows", phase=s)
+        else:
+            log.info("compared ordinary and paired exchange schedules", phase=s, candidates=sched["candidates"],
+                     ordinary_horizon=sched["ordinary_horizon"], paired_horizon=sched["paired_horizon"],
+                     use_paired=sched["use_paired"])
         out.append(sched)
     return {"exchange_schedule": _json(out)}
 

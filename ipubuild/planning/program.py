@@ -145,6 +145,12 @@ def _arg(a, reads, writes):
     return a
 
 
+def intersect(a, b) -> int | None:
+    """Elements shared by blocks ``(r0, r1, c0, c1)`` a and b, or None if disjoint."""
+    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
+    return (r1 - r0) * (c1 - c0) if r0 < r1 and c0 < c1 else None
+
+
 def _transfers(sources, blk, tile, bid, isz, name, use, step):
     vk, rr0, rr1, rc0, rc1 = blk
     covered = 0

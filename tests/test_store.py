@@ -1,0 +1,285 @@
+"""Tests for the content-addressed store (ipubuild/store.py): blobs, checksummed records,
+verification on read, raw (unpickled) storage and concurrent writers."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import re
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ipubuild import canonical
+from ipubuild.store import Store, cache_dir
+
+BIG = 100 * 1024  # > diskcache's 32 KiB min_file_size: stored as a file cas/**/*.val
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "cache")
+    yield s
+    s.close()
+
+
+def _val_files(root: Path) -> list[Path]:
+    return sorted(root.rglob("*.val"))
+
+
+# --- blobs ------------------------------------------------------------------------------------
+
+def test_put_get_round_trip_small_and_large(store):
+    small, large = b"hello, tile", bytes(range(256)) * (BIG // 256 + 1)
+    ks, kl = store.put(small), store.put(large)
+    assert store.get(ks) == small
+    assert store.get(kl) == large
+    assert isinstance(store.get(ks), bytes)
+
+
+def test_keys_are_sha256_hex(store):
+    data = b"\x00\x01 some bytes \xff"
+    key = store.put(data)
+    assert re.fullmatch(r"[0-9a-f]{64}", key)
+    assert key == hashlib.sha256(data).hexdigest()
+
+
+def test_put_is_idempotent_and_content_addressed(store):
+    a = store.put(b"same")
+    b = store.put(bytearray(b"same"))
+    assert a == b
+    assert store.get(a) == b"same"
+    assert store.put(b"other") != a
+    assert len(store.blobs) == 2
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.binary(max_size=2048))
+def test_round_trip_property(store, data):
+    key = store.put(data)
+    assert key == canonical.digest(data)
+    assert store.get(key) == data
+
+
+def test_unknown_key_reads_none(store):
+    assert store.get("0" * 64) is None
+    assert store.get_action("0" * 64) is None
+    assert store.get_provenance("0" * 64) is None
+
+
+def test_corrupt_blob_file_reads_none_warns_and_is_dropped(store, tmp_path, capsys):
+    data = os.urandom(BIG)
+    key = store.put(data)
+    (val,) = _val_files(tmp_path / "cache" / "cas")
+    raw = bytearray(val.read_bytes())
+    assert bytes(raw) == data  # stored raw in the file
+    raw[BIG // 2] ^= 0xFF
+    val.write_bytes(bytes(raw))
+
+    assert store.get(key) is None
+    err = capsys.readouterr().err
+    assert "WARN" in err and "corrupt cache blob" in err and key[:16] in err
+    # dropped: the entry is gone, its file removed, and a second read is silent
+    assert key not in store.blobs
+    assert not val.exists()
+    assert store.get(key) is None
+    assert "corrupt" not in capsys.readouterr().err
+    # and a fresh put restores it
+    assert store.put(data) == key
+    assert store.get(key) == data
+
+
+def test_corrupt_small_blob_in_sqlite_is_dropped(store, tmp_path, capsys):
+    key = store.put(b"small value kept inside sqlite")
+    con = sqlite3.connect(tmp_path / "cache" / "cas" / "cache.db")
+    with con:
+        n = con.execute("UPDATE Cache SET value = ? WHERE key = ?",
+                        (sqlite3.Binary(b"small value kept inside sqlitX"), key)).rowcount
+    con.close()
+    assert n == 1
+    assert store.get(key) is None
+    assert "corrupt cache blob" in capsys.readouterr().err
+    assert key not in store.blobs
+
+
+def test_missing_blob_file_reads_none(store, tmp_path):
+    key = store.put(os.urandom(BIG))
+    (val,) = _val_files(tmp_path / "cache" / "cas")
+    val.unlink()
+    assert store.get(key) is None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "BUG store.py Store.get/put: when a blob's .val file is missing, diskcache.get returns the "
+    "default but keeps the row, so Store.get returns None without dropping it; Store.put then "
+    "sees `key in self.blobs` and skips writing, so the blob can never be restored"))
+def test_missing_blob_file_can_be_restored_by_put(store, tmp_path):
+    data = os.urandom(BIG)
+    key = store.put(data)
+    (val,) = _val_files(tmp_path / "cache" / "cas")
+    val.unlink()
+    assert store.get(key) is None
+    store.put(data)
+    assert store.get(key) == data
+
+
+def test_drop_removes_blob(store):
+    key = store.put(b"x" * 10)
+    store.drop(key)
+    assert store.get(key) is None
+    store.drop(key)  # dropping twice is harmless
+
+
+# --- checksummed records ----------------------------------------------------------------------
+
+def test_action_and_provenance_round_trip(store):
+    outs = {"b": "1" * 64, "a": "2" * 64}
+    store.put_action("k" * 64, outs)
+    assert store.get_action("k" * 64) == outs
+    prov = {"phase": "p", "inputs": {"x": "3" * 64}, "config": {"a.b": 1}, "output": "a"}
+    store.put_provenance("d" * 64, prov)
+    assert store.get_provenance("d" * 64) == prov
+    # action records and provenance live in different namespaces
+    assert store.get_provenance("k" * 64) is None
+    assert store.get_action("d" * 64) is None
+
+
+def test_provenance_first_writer_wins(store):
+    store.put_provenance("d" * 64, {"phase": "first"})
+    store.put_provenance("d" * 64, {"phase": "second"})
+    assert store.get_provenance("d" * 64) == {"phase": "first"}
+
+
+@pytest.mark.parametrize("where", ["checksum", "payload", "truncated"])
+def test_corrupt_action_record_is_dropped(store, capsys, where):
+    store.put_action("a" * 64, {"out": "f" * 64})
+    raw = bytearray(store.meta.get("ac:" + "a" * 64))
+    assert raw[:64] == canonical.digest(bytes(raw[64:])).encode()
+    if where == "checksum":
+        raw[3] = ord("0") if raw[3] != ord("0") else ord("1")
+    elif where == "payload":
+        raw[-3] ^= 0x01
+    else:
+        raw = raw[:-5]
+    store.meta.set("ac:" + "a" * 64, bytes(raw))
+    assert store.get_action("a" * 64) is None
+    assert "corrupt cache record" in capsys.readouterr().err
+    assert "ac:" + "a" * 64 not in store.meta
+    assert store.get_action("a" * 64) is None
+
+
+def test_corrupt_provenance_record_is_dropped(store, capsys):
+    store.put_provenance("d" * 64, {"phase": "p"})
+    raw = bytearray(store.meta.get("prov:" + "d" * 64))
+    raw[70] ^= 0x20
+    store.meta.set("prov:" + "d" * 64, bytes(raw))
+    assert store.get_provenance("d" * 64) is None
+    assert "corrupt cache record" in capsys.readouterr().err
+
+
+# --- raw storage ------------------------------------------------------------------------------
+
+def _all_bytes(root: Path) -> bytes:
+    return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
+
+
+def test_values_are_stored_raw_not_pickled(store, tmp_path):
+    marker = b"RAW-MARKER-\x00\x01-" + os.urandom(8).hex().encode()
+    small_key = store.put(marker)
+    big = marker * (BIG // len(marker) + 1)
+    big_key = store.put(big)
+    outs = {"slot": small_key}
+    store.put_action("e" * 64, outs)
+    store.put_provenance(small_key, {"phase": "raw-phase-marker"})
+
+    # greppable on disk (the sqlite db and its WAL, and the .val file)
+    blob = _all_bytes(tmp_path / "cache" / "cas")
+    assert marker in blob
+    assert big in blob
+    meta = _all_bytes(tmp_path / "cache" / "actions")
+    assert canonical.dumps(outs) in meta
+    assert b"raw-phase-marker" in meta
+
+    # and in the database: every row is raw bytes (diskcache MODE_RAW=1 / MODE_BINARY=2),
+    # never MODE_PICKLE=4, with hex digests as plain text keys
+    for sub in ("cas", "actions"):
+        con = sqlite3.connect(tmp_path / "cache" / sub / "cache.db")
+        rows = con.execute("SELECT key, raw, mode, filename, value FROM Cache").fetchall()
+        con.close()
+        assert rows
+        for key, raw, mode, filename, value in rows:
+            assert isinstance(key, str) and raw == 1, (sub, key)
+            assert mode in (1, 2), (sub, key, mode)
+            if mode == 1:
+                assert isinstance(value, bytes) and not value.startswith(b"\x80")
+            else:
+                assert filename and (tmp_path / "cache" / sub / filename).read_bytes() == big
+    con = sqlite3.connect(tmp_path / "cache" / "cas" / "cache.db")
+    assert con.execute("SELECT value FROM Cache WHERE key=?", (small_key,)).fetchone()[0] == marker
+    con.close()
+
+
+def test_cache_dir_env_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("IPUBUILD_CACHE_DIR", raising=False)
+    assert cache_dir(tmp_path) == tmp_path / ".ipubuild" / "cache"
+    monkeypatch.setenv("IPUBUILD_CACHE_DIR", str(tmp_path / "elsewhere"))
+    assert cache_dir(tmp_path) == tmp_path / "elsewhere"
+
+
+# --- concurrency ------------------------------------------------------------------------------
+
+N_WORKERS, N_ITEMS = 4, 200
+
+
+def _blob(worker: int, i: int) -> bytes:
+    base = f"worker={worker} item={i} ".encode()
+    # every 25th blob is big enough to be a file; the rest live in sqlite
+    return base * (BIG // len(base) + 1) if i % 25 == 0 else base * (1 + i % 7)
+
+
+def _writer(root: str, worker: int, start) -> None:
+    start.wait(10)
+    s = Store(Path(root))
+    try:
+        for i in range(N_ITEMS):
+            d = s.put(_blob(worker, i))
+            s.put_action(f"{worker}-{i}".rjust(64, "0"), {"out": d, "i": i})
+            s.put_provenance(d, {"phase": f"w{worker}", "i": i})
+            s.put(b"shared blob written by everyone")
+    finally:
+        s.close()
+
+
+def test_concurrent_writers_processes(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    root = tmp_path / "cache"
+    Store(root).close()  # create the databases first
+    start = ctx.Event()
+    procs = [ctx.Process(target=_writer, args=(str(root), w, start)) for w in range(N_WORKERS)]
+    for p in procs:
+        p.start()
+    start.set()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * N_WORKERS
+
+    s = Store(root)
+    try:
+        seen = set()
+        for w in range(N_WORKERS):
+            for i in range(N_ITEMS):
+                data = _blob(w, i)
+                d = canonical.digest(data)
+                assert s.get(d) == data, (w, i)
+                assert s.get_action(f"{w}-{i}".rjust(64, "0")) == {"out": d, "i": i}
+                assert s.get_provenance(d) == {"phase": f"w{w}", "i": i}
+                seen.add(d)
+        assert len(seen) == N_WORKERS * N_ITEMS
+        assert s.get(canonical.digest(b"shared blob written by everyone")) is not None
+        assert len(s.blobs) == N_WORKERS * N_ITEMS + 1
+    finally:
+        s.close()
