@@ -142,6 +142,17 @@ def _inspect(ws: Workspace, target: dict):
     return run
 
 
+def _list_plugins(ws: Workspace):
+    def run():
+        pm = ws.plugins
+        for name, plugin in sorted(pm.list_name_plugin()):
+            dist, version = pm.dists.get(name, (name, "0"))
+            hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+            log.plain(f"{name}  {dist}=={version}  hooks: {', '.join(hooks)}")
+        return None
+    return run
+
+
 def _broken(message: str):
     def run():
         return TaskFailed(message)
@@ -170,6 +181,8 @@ def _tasks(root: Path):
     except UserError as exc:
         yield {"basename": "build", "name": "all", "actions": [_broken(str(exc))]}
         return
+    yield {"basename": "plugins", "actions": [_list_plugins(ws)], "uptodate": [False], "verbosity": 2,
+           "doc": "list the loaded plugins, their versions and the hooks each implements"}
     seen_machines, kernels = set(), None
     for path in discover(root):
         rel = os.path.relpath(path, root)

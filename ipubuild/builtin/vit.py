@@ -24,7 +24,10 @@ SCHEMA = {
 }
 
 
-def build_vit(p: dict, seed: int) -> Model:
+def build_vit(p: dict, seed: int, norm=None) -> Model:
+    """The ViT graph for checked parameters ``p``. ``norm(graph, x, name, width, const)``, if
+    given, replaces layer normalisation (a plugin's front end can swap in its own operator);
+    ``const(name, shape, scale, offset=0.0)`` makes a deterministic constant."""
     g, rng = Graph(), np.random.default_rng(seed)
     consts: dict[int, np.ndarray] = {}
 
@@ -39,6 +42,8 @@ def build_vit(p: dict, seed: int) -> Model:
         return g.add("matmul", [x, w, b], name=name)
 
     def layernorm(x, name, d):
+        if norm is not None:
+            return norm(g, x, name, d, const)
         return g.add("layernorm", [x, const(f"{name}.gamma", (d,), 0.1, 1.0),
                                    const(f"{name}.beta", (d,), 0.1)], name=name, eps=1e-6)
 
