@@ -111,7 +111,11 @@ class Estimator:
         return self._lowered[k]
 
     def estimate(self, layout: dict) -> int:
-        return sum(self.term(op, layout) for op in self.g.ops)
+        return sum(self.term(op, layout)[0] for op in self.g.ops)
+
+    def pressure(self, layout: dict) -> int:
+        """Bytes through the busiest exchange port, summed over exchange phases."""
+        return sum(self.term(op, layout)[1] for op in self.g.ops)
 
     def term(self, op, layout) -> int:
         choice = layout["ops"][str(op.id)]
@@ -134,7 +138,7 @@ class Estimator:
                     stored[blk[0]].append(((pc["offset"] + w.tile) % self.T, blk[1:]))
         choice = layout["ops"][str(op.id)]
         x, c = self.m["exchange"], self.m["compute"]
-        total = 0
+        total = pressure = 0
         for stage in self.lowering(op, choice["plan"]).stages:
             send, recv, entries = collections.Counter(), collections.Counter(), collections.Counter()
             compute = collections.Counter()
@@ -154,9 +158,10 @@ class Estimator:
                 for blk in w.writes:
                     stored[blk[0]].append(((choice["offset"] + w.tile) % self.T, blk[1:]))
             port = max([*send.values(), *recv.values(), 0])
+            pressure += port
             total += (ceil_div(port, x["bytes_per_cycle"]) + x["transfer_setup_cycles"] * max(entries.values(), default=0)
                       + max(compute.values(), default=0) + x["sync_cycles"])
-        return total
+        return total, pressure
 
     def _itemsize(self, vk: str) -> int:
         return self.g.values[int(vk[1:])].itemsize if vk.startswith("v") else 4
@@ -294,6 +299,12 @@ def search_layout(ctx, graph) -> dict:
                      "visited": [canonical.digest_of(incumbent)], "history": []}
             _save(path, state)
         visited = set(state["visited"])
+        if not resuming:
+            incumbent, cycles = _screen_mappings(sc, incumbent, cycles, pool, state)
+            state["incumbent"], state["cycles"] = incumbent, cycles
+            visited.add(canonical.digest_of(incumbent))
+            state["visited"] = sorted(visited)
+            _save(path, state)
         while state["round"] < cfg["rounds"] and time.perf_counter() - t_start < cfg["seconds"]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()
@@ -341,6 +352,35 @@ def search_layout(ctx, graph) -> dict:
     finally:
         pool.close()
         _progress(None)
+
+
+def mapping_candidates(layout: dict, tile_count: int) -> list[dict]:
+    """Whole-program tile mappings: operation i starts at tile (i * stride) mod tile_count."""
+    out = []
+    for stride in (1, 2, 3, 4, 5, 7, 8, 16):
+        ops = {k: dict(v, offset=(int(k) * stride) % tile_count) for k, v in layout["ops"].items()}
+        out.append(dict(layout, ops=ops))
+    return out
+
+
+def _screen_mappings(sc, incumbent, cycles, pool, state):
+    """Screen whole-program tile mappings by exchange resource load (the estimator's busiest
+    port); evaluate the best one exactly and keep it only if it is cheaper."""
+    est = sc.estimator
+    candidates = mapping_candidates(incumbent, sc.tile_count)
+    base_c, base_p = est.estimate(incumbent), est.pressure(incumbent)
+    scored = sorted((est.estimate(c), est.pressure(c), i) for i, c in enumerate(candidates))
+    best_c, best_p, i = scored[0]
+    log.info("screened tile mappings by exchange resource load", candidates=len(candidates),
+             baseline_cycles=base_c, candidate_cycles=best_c, baseline_pressure=base_p, candidate_pressure=best_p)
+    if best_c < base_c:
+        state["attempts"] += 1
+        r = pool.map([(state["attempts"], i, candidates[i])])[0]
+        if "invalid" not in r and r["cycles"] < cycles:
+            log.info("accepted tile mapping", before=cycles, after=r["cycles"])
+            return candidates[i], r["cycles"]
+    log.info("retained incumbent tile mapping")
+    return incumbent, cycles
 
 
 def _proposals(h: Heuristic, layout, sc) -> list:

@@ -1,0 +1,136 @@
+"""The hooks of the ipubuild-rmsnorm plugin: the ``rmsnorm`` operator and its C kernel, the
+``vit_rms`` model family (a ViT with RMSNorm in place of LayerNorm) and the ``rmsnorm_follow``
+layout-search heuristic. The ``ipubuild`` entry point names this module."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ipubuild import hookimpl
+from ipubuild.errors import UserError
+from ipubuild.operators import (KernelVariant, Lowering, Operator, TileWork, ceil_div, f32_bits,
+                                key, split)
+from ipubuild.search import Changes, Heuristic
+
+KERNEL_SOURCE = Path(__file__).resolve().parent / "rmsnorm.c"
+
+
+# the cycle estimator: cycles(args, machine) of one rmsnorm_f32 vertex -------------------------
+def rmsnorm_cycles(args, machine):
+    """Square-accumulate, divide, scale: 4 vector flops per element, one sqrt per row."""
+    c = machine["compute"]
+    rows, cols = args[3], args[4]
+    return (c["vertex_overhead_cycles"] + ceil_div(rows * cols * 4, c["vector_flops_per_cycle"])
+            + ceil_div(rows * c["transcendental_cycles"], machine["workers"]))
+
+
+# the operator ----------------------------------------------------------------------------------
+class RMSNorm(Operator):
+    """``y = x / sqrt(mean(x^2) + eps) * gamma`` over the last axis; inputs ``x`` f32 ``[.., C]``
+    and ``gamma`` f32 ``[C]``, attribute ``eps``."""
+    name = "rmsnorm"
+
+    def infer(self, graph, op):
+        if len(op.inputs) != 2:
+            raise ValueError(f"rmsnorm takes 2 inputs (x, gamma), got {len(op.inputs)}")
+        x, g = (graph.values[i] for i in op.inputs)
+        if x.dtype != "f32" or g.dtype != "f32":
+            raise ValueError(f"rmsnorm takes f32 x and gamma, got {x.dtype} and {g.dtype}")
+        if len(x.shape) < 1 or x.cols < 1:
+            raise ValueError(f"rmsnorm needs x with a last axis, got shape {list(x.shape)}")
+        if g.shape != (x.cols,):
+            raise ValueError(f"rmsnorm needs gamma of shape [{x.cols}] (the last axis of "
+                             f"{x.name}), got {list(g.shape)}")
+        eps = op.attrs.get("eps")
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+            raise ValueError(f"rmsnorm needs attribute eps, a number > 0, got {eps!r}")
+        return [(x.shape, "f32", 0)]
+
+    def reference(self, graph, op, inputs):
+        x, g = inputs
+        ms = (x * x).mean(axis=-1, keepdims=True, dtype=np.float32)
+        return [(x / np.sqrt(ms + np.float32(op.attrs["eps"])) * g).astype(np.float32)]
+
+    def plans(self, graph, op, tile_count):
+        # like the built-in row-wise operators: all rows over min(rows, tiles) tiles, then halving
+        counts, n = [], min(graph.values[op.outputs[0]].rows, tile_count)
+        while n >= 1:
+            counts.append(n)
+            n //= 2
+        return [{"rows": c} for c in counts]
+
+    def lower(self, graph, op, plan):
+        x, g = (graph.values[i] for i in op.inputs)
+        y = graph.values[op.outputs[0]]
+        eps = f32_bits(op.attrs["eps"])
+        work = []
+        for t, (r0, r1) in enumerate(split(x.rows, plan["rows"])):
+            work.append(TileWork(
+                t,
+                reads=[(key(x.id), r0, r1, 0, x.cols), (key(g.id), 0, 1, 0, x.cols)],
+                writes=[(key(y.id), r0, r1, 0, y.cols)],
+                vertices=[("rmsnorm_f32", [("r", 0, 0), ("r", 1, 0), ("w", 0, 0),
+                                           r1 - r0, x.cols, eps])]))
+        return Lowering([work])
+
+    def kernels(self):
+        return [KernelVariant("rmsnorm_f32", KERNEL_SOURCE, (), rmsnorm_cycles)]
+
+
+@hookimpl
+def ipubuild_operators():
+    return [RMSNorm()]
+
+
+# the model family ------------------------------------------------------------------------------
+def rms_norm(graph, x, name, width, const):
+    """The ``norm`` callback of ``build_vit``: RMSNorm with a learned scale, no shift."""
+    return graph.add("rmsnorm", [x, const(f"{name}.gamma", (width,), 0.1, 1.0)], name=name, eps=1e-6)
+
+
+@hookimpl
+def ipubuild_model_families():
+    return ["vit_rms"]
+
+
+@hookimpl
+def ipubuild_build_model(family, params, seed, where):
+    if family != "vit_rms":
+        return None
+    from ipubuild.builtin.vit import SCHEMA, build_vit
+    from ipubuild.targets import check_table
+    p = check_table(params, SCHEMA, where, "model")
+    if p["image_size"] % p["patch"]:
+        raise UserError(f"{where}: model.patch", f"patch {p['patch']} does not divide image_size "
+                        f"{p['image_size']}; choose a divisor")
+    if p["width"] % p["heads"]:
+        raise UserError(f"{where}: model.heads", f"heads {p['heads']} does not divide width "
+                        f"{p['width']}; choose a divisor")
+    return build_vit(p, seed, norm=rms_norm)
+
+
+# the search heuristic --------------------------------------------------------------------------
+def rmsnorm_follow(layout, sc):
+    """Give each rmsnorm the row count (and tile offset) of its input's producer, so its rows
+    are already on the tiles that read them."""
+    out = []
+    for op in sc.graph.ops:
+        if op.type != "rmsnorm":
+            continue
+        producer = sc.producer.get(op.inputs[0])
+        if producer is None:
+            continue
+        chosen = layout["ops"][str(producer.id)]
+        plan = sc.plans[producer.id][chosen["plan"]]
+        rows = plan.get("rows", plan.get("m"))
+        mine = [p["rows"] for p in sc.plans[op.id]]
+        if rows in mine:
+            out.append(Changes(plans=((op.id, mine.index(rows)),),
+                               boundaries=((op.id, chosen["offset"]),)))
+    return out
+
+
+@hookimpl
+def ipubuild_search_heuristics():
+    return [Heuristic("rmsnorm_follow", rmsnorm_follow)]

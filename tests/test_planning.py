@@ -1,0 +1,403 @@
+"""Planning (ipubuild/planning): storage allocation, exchange scheduling and coalescing, cost."""
+from __future__ import annotations
+
+import copy
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from ipubuild import frontend, ir, plugins, targets
+from ipubuild.errors import UserError
+from ipubuild.machine import load_machine
+from ipubuild.operators import registry
+from ipubuild.planning import exchange, phases, storage
+from ipubuild.planning.cost import program_cost, step_compute
+from ipubuild.planning.program import build_program, default_layout, plans_of
+
+ROOT = Path(__file__).resolve().parents[1]
+MACHINE = load_machine("ipu21")
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module")
+def vit_graph():
+    t = targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    return frontend.build_model(plugins.get_plugin_manager(), t).graph
+
+
+@pytest.fixture(scope="module")
+def vit_program(vit_graph):
+    return build_program(vit_graph, default_layout(vit_graph, 64), 64)
+
+
+def align_up(x, a):
+    return -(-x // a) * a
+
+
+# storage -----------------------------------------------------------------------------------------
+@st.composite
+def ranges_st(draw):
+    cuts = sorted(draw(st.lists(st.integers(0, 20000), min_size=2, max_size=6, unique=True)))
+    pairs = [(cuts[i], cuts[i + 1]) for i in range(0, len(cuts) - 1, 2)]
+    return draw(st.permutations(pairs))
+
+
+@st.composite
+def buffers_st(draw):
+    n = draw(st.integers(1, 14))
+    out = {}
+    for i in range(n):
+        start = draw(st.integers(0, 8))
+        out[f"b{i}"] = {"size": draw(st.integers(0, 3000)), "start": start,
+                        "end": start + draw(st.integers(0, 5))}
+    return out
+
+
+_MSG = re.compile(r"^tile (\d+): tensor (\S+) needs (\d+) bytes but the largest free block of tile memory "
+                  r"is (\d+) bytes; ")
+
+
+@FAST
+@given(buffers_st(), ranges_st(), st.sampled_from([4, 8, 16]), st.integers(0, 1471))
+def test_allocate_is_safe_or_explains(buffers, ranges, alignment, tile):
+    names = {b: f"tensor_{b}" for b in buffers}
+    try:
+        addrs = storage.allocate(buffers, ranges, alignment, tile=tile, names=names)
+    except UserError as exc:
+        msg = str(exc)
+        assert "\n" not in msg
+        m = _MSG.match(msg)
+        assert m, msg
+        assert int(m.group(1)) == tile
+        bid = m.group(2).removeprefix("tensor_")
+        assert bid in buffers
+        needed, free = int(m.group(3)), int(m.group(4))
+        assert needed == align_up(max(buffers[bid]["size"], 1), alignment)
+        if alignment == 8:        # the free-space report is computed at 8-byte alignment
+            assert free < needed
+        # the buffer really cannot fit when it is alone: or its live neighbours crowd it out
+        biggest = max((hi - align_up(lo, alignment) for lo, hi in ranges), default=0)
+        others = [b for b in buffers if b != bid and buffers[b]["start"] <= buffers[bid]["end"]
+                  and buffers[bid]["start"] <= buffers[b]["end"]]
+        assert needed > biggest or others
+        return
+    assert set(addrs) == set(buffers)
+    placed = {}
+    for b, a in addrs.items():
+        size = align_up(max(buffers[b]["size"], 1), alignment)
+        assert a % alignment == 0, (b, a)
+        assert any(lo <= a and a + size <= hi for lo, hi in ranges), (b, a, size, ranges)
+        placed[b] = (a, a + size)
+    for x in buffers:
+        for y in buffers:
+            if x < y and buffers[x]["start"] <= buffers[y]["end"] and buffers[y]["start"] <= buffers[x]["end"]:
+                (a0, a1), (b0, b1) = placed[x], placed[y]
+                assert a1 <= b0 or b1 <= a0, (x, placed[x], y, placed[y])
+
+
+@FAST
+@given(st.lists(st.integers(1, 4000), min_size=1, max_size=10), ranges_st(), st.sampled_from([4, 8, 16]))
+def test_allocate_disjoint_lifetimes_reuse_memory(sizes, ranges, alignment):
+    """Buffers that are never live together each get the start of the first range (in the given
+    order) that holds them."""
+    buffers = {f"b{i}": {"size": s, "start": 2 * i, "end": 2 * i + 1} for i, s in enumerate(sizes)}
+    fits = [r for r in ranges if align_up(r[0], alignment) + align_up(max(sizes), alignment) <= r[1]]
+    assume(fits)
+    addrs = storage.allocate(buffers, ranges, alignment, tile=0)
+    for b, s in zip(buffers, sizes):
+        first = next(align_up(lo, alignment) for lo, hi in ranges
+                     if align_up(lo, alignment) + align_up(s, alignment) <= hi)
+        assert addrs[b] == first
+
+
+def test_allocate_overflow_message():
+    with pytest.raises(UserError) as info:
+        storage.allocate({"a": {"size": 100, "start": 0, "end": 3}, "b": {"size": 100, "start": 1, "end": 2}},
+                         [(0, 160)], 8, tile=7, names={"a": "alpha", "b": "beta"})
+    assert str(info.value).startswith("tile 7: tensor beta needs 104 bytes but the largest free block of "
+                                      "tile memory is 56 bytes")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: storage._largest_gap measures free space at a fixed 8-byte "
+                   "alignment, so with alignment > 8 the error may claim a free block >= the bytes needed")
+def test_allocate_overflow_message_is_consistent_for_wide_alignment():
+    with pytest.raises(UserError) as info:
+        storage.allocate({"x": {"size": 8, "start": 0, "end": 0}}, [(8, 72)], 64, tile=3)
+    m = _MSG.match(str(info.value))
+    assert int(m.group(4)) < int(m.group(3)), str(info.value)
+
+
+def _tiny_machine():
+    mach = copy.deepcopy(load_machine("ipu21"))
+    code_end = storage.tile_ranges(mach, 0)["code_end"]
+    mach["memory"]["loader_limit"] = code_end + 4096
+    return mach
+
+
+def test_memory_overflow_through_the_pipeline(vit_program):
+    mach = _tiny_machine()
+    assert phases._allocate_all(vit_program, {}, load_machine("ipu21"))   # fits on the real machine
+    with pytest.raises(UserError) as info:
+        phases._allocate_all(vit_program, {}, mach)
+    msg = str(info.value)
+    m = _MSG.match(msg)
+    assert m and "\n" not in msg, msg
+    tile = m.group(1)
+    assert tile in vit_program["buffers"]
+    needed, free = int(m.group(3)), int(m.group(4))
+    assert free < needed
+    sizes = [align_up(b["size"], 8) for b in vit_program["buffers"][tile].values()]
+    assert needed in sizes
+    assert "tile_count" in msg
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: phases._allocate_all names buffers by value key ('v12') or "
+                   "buffer id ('i1'), so the overflow error does not name the graph tensor")
+def test_memory_overflow_names_the_graph_tensor(vit_graph, vit_program):
+    with pytest.raises(UserError) as info:
+        phases._allocate_all(vit_program, {}, _tiny_machine())
+    name = _MSG.match(str(info.value)).group(2)
+    assert name in {v.name for v in vit_graph.values.values()}, str(info.value)
+
+
+def test_code_overflow_through_the_pipeline(vit_program):
+    mach = load_machine("ipu21")
+    room = mach["memory"]["executable_end"] - storage.tile_ranges(mach, 0)["code_address"]
+    with pytest.raises(UserError, match=r"^tile 5: generated code needs .* bytes"):
+        phases._allocate_all(vit_program, {"5": room + 1}, mach)
+
+
+def test_vit_allocation_respects_lifetimes(vit_program):
+    placed = phases._allocate_all(vit_program, {}, MACHINE)
+    for tile, bufs in vit_program["buffers"].items():
+        addrs = placed[tile]["addresses"]
+        ranges = placed[tile]["ranges"]["available_ranges"]
+        items = sorted(bufs.items())
+        for i, (x, bx) in enumerate(items):
+            sx = align_up(max(bx["size"], 1), 8)
+            assert any(lo <= addrs[x] and addrs[x] + sx <= hi for lo, hi in ranges)
+            for y, by in items[i + 1:]:
+                if bx["start"] <= by["end"] and by["start"] <= bx["end"]:
+                    sy = align_up(max(by["size"], 1), 8)
+                    assert addrs[x] + sx <= addrs[y] or addrs[y] + sy <= addrs[x], (tile, x, y)
+
+
+# exchange ----------------------------------------------------------------------------------------
+@st.composite
+def transfers_st(draw, max_tiles=8):
+    n = draw(st.integers(1, 25))
+    out = []
+    for _ in range(n):
+        rows = draw(st.integers(1, 6))
+        rb = draw(st.integers(1, 300))
+        out.append([draw(st.integers(0, max_tiles - 1)), "s", 0, rb, draw(st.integers(0, max_tiles - 1)), "d", 0,
+                    rb, rows, rb])
+    return out
+
+
+def _duration(t, paired):
+    x = MACHINE["exchange"]
+    rows, nbytes = t[8], t[8] * t[9]
+    if t[0] == t[4]:
+        return x["transfer_setup_cycles"] * rows + -(-nbytes // x["local_copy_bytes_per_cycle"])
+    if paired:
+        return x["paired_setup_cycles"] + x["transfer_setup_cycles"] * rows + -(-nbytes // x["paired_bytes_per_cycle"])
+    return x["transfer_setup_cycles"] * rows + -(-nbytes // x["bytes_per_cycle"])
+
+
+def _ports(t, paired):
+    if t[0] == t[4]:
+        return [("local", t[0])]
+    if paired:
+        return [("send", t[0] // 2), ("recv", t[4] // 2)]
+    return [("send", t[0]), ("recv", t[4])]
+
+
+@FAST
+@given(transfers_st(), st.booleans())
+def test_schedule_respects_ports(transfers, paired):
+    horizon, order = exchange.schedule(transfers, MACHINE, paired)
+    assert sorted(order) == list(range(len(transfers)))
+    sizes = [transfers[i][8] * transfers[i][9] for i in order]
+    assert sizes == sorted(sizes, reverse=True)            # largest first
+    # re-simulate: each transfer starts when all its ports are free
+    free, busy = defaultdict(int), defaultdict(list)
+    end = 0
+    for i in order:
+        t = transfers[i]
+        ports = _ports(t, paired)
+        start = max(free[p] for p in ports)
+        dur = _duration(t, paired)
+        for p in ports:
+            busy[p].append((start, start + dur))
+            free[p] = start + dur
+        end = max(end, start + dur)
+    assert horizon == end
+    for p, spans in busy.items():
+        spans.sort()
+        for (a0, a1), (b0, b1) in zip(spans, spans[1:]):
+            assert a1 <= b0, (p, spans)
+    # bandwidth bounds: no port moves more than its bandwidth allows
+    bw = MACHINE["exchange"]["paired_bytes_per_cycle" if paired else "bytes_per_cycle"]
+    per_port = defaultdict(int)
+    for t in transfers:
+        if t[0] != t[4]:
+            for p in _ports(t, paired):
+                per_port[p] += t[8] * t[9]
+    if per_port:
+        assert horizon * bw >= max(per_port.values())
+    assert horizon >= max(_duration(t, paired) for t in transfers)
+    assert horizon <= sum(_duration(t, paired) for t in transfers)
+
+
+@FAST
+@given(transfers_st(max_tiles=6))
+def test_schedule_phase_prefers_ordinary_unless_paired_is_shorter(transfers):
+    s = exchange.schedule_phase(transfers, MACHINE)
+    merged = exchange.coalesce(transfers)
+    ordinary, _ = exchange.schedule(merged, MACHINE, paired=False)
+    paired, _ = exchange.schedule(merged, MACHINE, paired=True)
+    assert (s["ordinary_horizon"], s["paired_horizon"]) == (ordinary, paired)
+    assert s["use_paired"] == (paired < ordinary)
+    if s["paired_horizon"] >= s["ordinary_horizon"]:
+        assert not s["use_paired"]
+    assert s["horizon"] == min(ordinary, paired)
+    assert s["candidates"] == len(merged)
+    assert sorted(map(str, s["transfers"])) == sorted(map(str, merged))
+
+
+@st.composite
+def gather_st(draw):
+    """Transfers into disjoint destination ranges; some continue the previous one on both sides."""
+    out, cursor = [], defaultdict(int)
+    for _ in range(draw(st.integers(1, 20))):
+        rows, rb = draw(st.integers(1, 4)), draw(st.integers(1, 24))
+        ss = rb + draw(st.sampled_from([0, 0, 3]))
+        ds = rb + draw(st.sampled_from([0, 0, 5]))
+        if out and draw(st.booleans()):
+            p = out[-1]
+            st_, sb, dt, db = p[0], p[1], p[4], p[5]
+            so = p[2] + (p[8] - 1) * p[3] + p[9]
+            do = p[6] + (p[8] - 1) * p[7] + p[9]
+            assert do == cursor[(dt, db)]
+        else:
+            st_, sb = draw(st.integers(0, 3)), draw(st.sampled_from(["s0", "s1"]))
+            dt, db = draw(st.integers(0, 3)), draw(st.sampled_from(["d0", "d1"]))
+            so = draw(st.integers(0, 200))
+            do = cursor[(dt, db)] + draw(st.sampled_from([0, 0, 7]))
+        out.append([st_, sb, so, ss, dt, db, do, ds, rows, rb])
+        cursor[(dt, db)] = do + (rows - 1) * ds + rb
+    return draw(st.permutations(out))
+
+
+def _apply(transfers, mem):
+    mem = {k: v.copy() for k, v in mem.items()}
+    for s_t, sb, so, ss, d_t, db, do, ds, rows, rb in transfers:
+        for r in range(rows):
+            mem[(d_t, db)][do + r * ds:do + r * ds + rb] = mem[(s_t, sb)][so + r * ss:so + r * ss + rb]
+    return mem
+
+
+@FAST
+@given(gather_st(), st.integers(0, 2 ** 32 - 1))
+def test_coalesce_preserves_the_byte_mapping(transfers, seed):
+    rng = np.random.default_rng(seed)
+    mem = {(t, b): rng.integers(0, 256, 4096, dtype=np.uint8) for t in range(4) for b in ("s0", "s1")}
+    mem.update({(t, b): np.zeros(4096, np.uint8) for t in range(4) for b in ("d0", "d1")})
+    original = copy.deepcopy(transfers)
+    merged = exchange.coalesce(transfers)
+    assert transfers == original                    # the input is not modified
+    assert len(merged) <= len(transfers)
+    assert sum(t[8] * t[9] for t in merged) == sum(t[8] * t[9] for t in transfers)
+    a, b = _apply(transfers, mem), _apply(merged, mem)
+    for k in mem:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
+    assert exchange.coalesce(merged) == merged        # idempotent
+
+
+def test_coalesce_merges_continuations():
+    t = [[0, "a", 0, 8, 1, "b", 0, 8, 2, 8], [0, "a", 16, 8, 1, "b", 16, 8, 1, 8]]
+    assert exchange.coalesce(t) == [[0, "a", 0, 24, 1, "b", 0, 24, 1, 24]]
+    strided = [[0, "a", 0, 10, 1, "b", 0, 8, 2, 8]]
+    assert exchange.coalesce(strided) == strided
+
+
+# cost --------------------------------------------------------------------------------------------
+def _single_matmul(g, op):
+    sub = ir.Graph()
+    ids = []
+    for i in op.inputs:
+        v = g.values[i]
+        vid = sub.value(v.name, v.shape, v.dtype, v.scale_exp)
+        (sub.constants if i in g.constants else sub.inputs).append(vid)
+        ids.append(vid)
+    sub.outputs = [sub.add("matmul", ids, name=op.name)]
+    return sub
+
+
+def test_more_tiles_never_slow_a_matmul_down(vit_graph):
+    matmuls = [op for op in vit_graph.ops if op.type == "matmul"]
+    assert len(matmuls) == 6
+    for op in matmuls:
+        sub = _single_matmul(vit_graph, op)
+        plans = registry().get("matmul").plans(sub, sub.ops[0], 64)
+        assert plans
+        cost = []
+        for i, p in enumerate(plans):
+            prog = build_program(sub, {"ops": {"0": {"plan": i, "offset": 0}}}, 64)
+            slowest = [max(step_compute(s, MACHINE).values()) for s in prog["steps"]]
+            assert len(slowest) == (1 if p["k"] == 1 else 2)
+            cost.append((p, slowest))
+        for p, cp in cost:
+            for q, cq in cost:
+                tp, tq = p["m"] * p["n"] * p["k"], q["m"] * q["n"] * q["k"]
+                # same K split, more tiles: each tile's block is no larger
+                if q["k"] == p["k"] and tq > tp:
+                    assert sum(cq) <= sum(cp), (op.name, p, cp, q, cq)
+                # a plan that splits every dimension at least as much: the matmul stage is no slower
+                if q["m"] >= p["m"] and q["n"] >= p["n"] and q["k"] >= p["k"]:
+                    assert cq[0] <= cp[0], (op.name, p, cp, q, cq)
+
+
+def test_program_cost_sums_steps(vit_graph, vit_program):
+    horizons = []
+    for step in vit_program["steps"]:
+        horizons.append(exchange.schedule_phase(step["transfers"], MACHINE)["horizon"] if step["transfers"] else 0)
+    cost = program_cost(vit_program, horizons, MACHINE)
+    sync = MACHINE["exchange"]["sync_cycles"]
+    kernels = registry().kernels
+    total, slowest_all = 0, []
+    for step, h in zip(vit_program["steps"], horizons):
+        per_tile = {t: sum(kernels[k].cycles([a if isinstance(a, int) else 0 for a in args], MACHINE)
+                           for k, args in verts) for t, verts in step["vertices"].items()}
+        slowest = max(per_tile.values(), default=0)
+        slowest_all.append(slowest)
+        total += h + slowest + sync
+    assert len(cost["steps"]) == len(vit_program["steps"]) == 27
+    assert cost["final_cycles"] == total
+    assert cost["final_exchange"] == sum(horizons)
+    assert [s["compute"] for s in cost["steps"]] == slowest_all
+    assert [s["exchange"] for s in cost["steps"]] == horizons
+    assert all(s["sync"] == sync for s in cost["steps"])
+    assert 0 < cost["lower_bound"] <= cost["final_cycles"]
+
+
+def test_vit_plans_and_program_shape(vit_graph, vit_program):
+    plans = plans_of(vit_graph, 64)
+    assert set(plans) == {op.id for op in vit_graph.ops}
+    assert all(plans[op.id] for op in vit_graph.ops)
+    assert [s["op"] for s in vit_program["steps"]] == [op.id for op in vit_graph.ops]
+    names = {o["name"] for o in vit_program["outputs"]}
+    assert names == {"features", "logits"}
+    # every graph output element is covered exactly once by the output ranges
+    for o in vit_program["outputs"]:
+        v = vit_graph.values[o["value"]]
+        count = np.zeros((v.rows, v.cols), int)
+        for _tile, _bid, r0, r1, c0, c1 in o["ranges"]:
+            count[r0:r1, c0:c1] += 1
+        assert np.all(count == 1)
