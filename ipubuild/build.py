@@ -126,3 +126,24 @@ def target_steps(target: dict, kernels: list[str], artifacts: Path) -> list[Step
                                                   "profile": a("profile")}, {"verdict": a("verdict")}),
     ]
     return steps
+
+
+def all_steps(target: dict, artifacts: Path) -> list[Step]:
+    """Every step one target needs, in an order that respects their dependencies."""
+    machine = target["target"]["machine"]
+    ksteps = kernel_steps(machine)
+    return [machine_step(machine), *ksteps, *target_steps(target, [s.name for s in ksteps], artifacts)]
+
+
+def build_in_process(root, target_file) -> dict:
+    """Build a target without doit (tests, benchmarks): run every step through the engine and
+    return ``{artifact: digest}``."""
+    from .pipeline import Workspace
+    from .targets import load_target
+    ws = Workspace.at(root)
+    target = load_target(target_file)
+    out = {}
+    for step in all_steps(target, ws.artifacts):
+        result = ws.execute(step)
+        out.update({a: result.outputs[s] for s, a in step.outputs.items()})
+    return out
