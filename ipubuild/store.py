@@ -54,6 +54,8 @@ class Store:
         except OSError:
             data = None
         if data is None:
+            if key in self.blobs:      # its file is gone but its row is not: forget it
+                self.blobs.delete(key)
             return None
         if canonical.digest(data) != key:
             log.warning(f"dropped corrupt cache blob digest={key[:16]}; it will be rebuilt")

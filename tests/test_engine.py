@@ -292,10 +292,6 @@ def test_consumer_heals_evicted_input_via_provenance(eng):
     assert CALLS == {a: 3, b: 2}  # a: first run, failed heal, successful heal
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG store.py: a blob whose .val file was deleted keeps its diskcache row; Store.get returns "
-    "None without dropping it and Store.put skips it (`key in self.blobs`), so Engine.fetch "
-    "re-runs the producer and then returns None instead of the bytes"))
 def test_missing_blob_file_is_healed_by_fetch(eng):
     name = _name("big")
     _register_big(name)

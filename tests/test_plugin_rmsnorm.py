@@ -250,6 +250,10 @@ def test_build_vit_rms_end_to_end(tmp_path):
     tree = _copy_tree(tmp_path)
     env = _env(IPUBUILD_PLUGINS="ipubuild_rmsnorm.plugin",
                PYTHONPATH=str(tree / "plugins" / "ipubuild-rmsnorm"))
+    where = subprocess.run([sys.executable, "-c", "import ipubuild, ipubuild_rmsnorm.plugin as p; "
+                            "print(ipubuild.__file__); print(p.__file__)"], cwd=tree, env=env,
+                           capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert all(Path(w).resolve().is_relative_to(tree.resolve()) for w in where), where  # the copy's code
     proc = subprocess.run([sys.executable, "-m", "doit", "build:vit_rms"], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr

@@ -113,10 +113,6 @@ def test_missing_blob_file_reads_none(store, tmp_path):
     assert store.get(key) is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG store.py Store.get/put: when a blob's .val file is missing, diskcache.get returns the "
-    "default but keeps the row, so Store.get returns None without dropping it; Store.put then "
-    "sees `key in self.blobs` and skips writing, so the blob can never be restored"))
 def test_missing_blob_file_can_be_restored_by_put(store, tmp_path):
     data = os.urandom(BIG)
     key = store.put(data)

@@ -1,0 +1,447 @@
+"""The application package (ipubuild/package.py): round trip, determinism, and rejection of corrupt
+or hostile packages with one-line PackageErrors."""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ipubuild import __version__, canonical
+from ipubuild.errors import PackageError, UserError
+from ipubuild.machine import load_machine
+from ipubuild.package import FORMAT_VERSION, HEADER, MAGIC, Package, read_package, write_package
+from ipubuild.planning import codegen
+from ipubuild.planning.storage import tile_ranges
+
+MACHINE = load_machine("ipu21")
+MEM = MACHINE["memory"]
+CODE = tile_ranges(MACHINE, 0)["code_address"]      # first code address
+DATA = 393216                                         # a data address in the available ranges
+KERNEL = b"\x7fELF-fake-kernel-object" * 5
+
+
+def _image(kernel_addr=CODE, kernel_size=4096, program_addr=None, exchange_addr=None, data=None,
+           kernel_digest=None):
+    prog = codegen.encode_program(["x"], [[0, [[0, [DATA, 3, 7]]]]])
+    xch = codegen.encode_exchange([[0, 0, DATA, 16, 1, DATA + 4096, 16, 1, 16]])
+    program_addr = kernel_addr + kernel_size if program_addr is None else program_addr
+    exchange_addr = program_addr + len(prog) if exchange_addr is None else exchange_addr
+    code = {"program": prog, "exchange": xch,
+            "addresses": {"program": program_addr, "exchange": exchange_addr}}
+    if data is None:
+        data = {f"weights@{DATA}": np.arange(32, dtype=np.float32),
+                f"bias@{DATA + 4096}": np.ones(4, np.float32)}
+    kd = canonical.digest(KERNEL) if kernel_digest is None else kernel_digest
+    return codegen.build_image(code, data, [["x", kernel_addr, kernel_size, kd]])
+
+
+def make(image0=None, *, tiles=2, extra_members=None, **over):
+    """(manifest, members) of a small valid package: tile 0 runs kernel x, tile 1 is idle."""
+    img0 = _image() if image0 is None else image0
+    idle = codegen.build_image({}, {}, [])
+    d0, d1 = canonical.digest(img0), canonical.digest(idle)
+    host = canonical.dumps({"initialize": {"phases": 1}, "run": {"phases": 1}})
+    members = {f"images/{d0}.img": img0, f"images/{d1}.img": idle, "kernels/x.so": KERNEL,
+               "host/program.json": host}
+    members.update(extra_members or {})
+    manifest = {
+        "format": FORMAT_VERSION, "compiler": __version__, "target": "synthetic", "tiles": tiles,
+        "used_tiles": 1, "idle_image": d1, "tile_images": ([d0] + [d1] * (tiles - 1)),
+        "machine": {**MACHINE, "sram_base": MEM["sram_base"], "sram_end": MEM["sram_end"],
+                    "executable_end": MEM["executable_end"], "loader_limit": MEM["loader_limit"]},
+        "kernels": {"x": canonical.digest(KERNEL)},
+        "host": {"initialize": {"phases": 1}, "run": {"phases": 1}, "program": canonical.digest(host)},
+        "inputs": [{"name": "in", "dtype": "f32", "shape": [16], "scale_exp": 0,
+                    "ranges": [[0, 64, 0, DATA + 8192]]}],
+        "outputs": [{"name": "out", "dtype": "f32", "shape": [4], "scale_exp": 0,
+                     "ranges": [[0, 16, 1, DATA]]}],
+    }
+    manifest.update(over)
+    return manifest, members
+
+
+@pytest.fixture(scope="module")
+def valid():
+    manifest, members = make()
+    return manifest, members, write_package(manifest, members)
+
+
+def header(raw_manifest: bytes, total: int, *, magic=MAGIC, version=FORMAT_VERSION, moff=HEADER.size):
+    return HEADER.pack(magic, version, 0, __version__.encode().ljust(16, b"\0"), moff, len(raw_manifest),
+                       hashlib.sha256(raw_manifest).digest(), total, b"\0" * 8)
+
+
+def forge(manifest: dict, members: dict[str, bytes], tweak=None) -> bytes:
+    """A package laid out like write_package but with any member names, and ``tweak(table)``
+    applied to the member table ``[[name, off, size, digest]]``; the manifest checksum and the
+    header's sizes are recomputed, so only the targeted check can fire."""
+    names = sorted(members)
+    probe = canonical.dumps(dict(manifest, members=[[n, 10 ** 9, len(members[n]), "0" * 64] for n in names]))
+    base = -(-(HEADER.size + len(probe) + 1024) // 16) * 16
+    table, rel = [], 0
+    for n in names:
+        table.append([n, base + rel, len(members[n]), canonical.digest(members[n])])
+        rel = -(-(rel + len(members[n])) // 16) * 16
+    if tweak:
+        tweak(table)
+    raw = canonical.dumps(dict(manifest, members=table))
+    assert HEADER.size + len(raw) <= base
+    body = bytearray(raw) + b"\0" * (base - HEADER.size - len(raw))
+    for n in names:
+        off = base + sum(-(-len(members[m]) // 16) * 16 for m in names[:names.index(n)])
+        body += b"\0" * (off - HEADER.size - len(body)) + members[n]
+    return header(raw, HEADER.size + len(body)) + bytes(body)
+
+
+def reject(data: bytes, pattern: str) -> str:
+    with pytest.raises(PackageError) as info:
+        Package(data, where="pkg.ipuexe")
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith("pkg.ipuexe: "), msg
+    assert isinstance(info.value, UserError)
+    import re
+    assert re.search(pattern, info.value.message), msg
+    return msg
+
+
+def parts(data: bytes):
+    magic, version, flags, compiler, moff, msize, mhash, total, _ = HEADER.unpack_from(data)
+    return moff, msize, canonical.loads(data[moff:moff + msize])
+
+
+# round trip and determinism ------------------------------------------------------------------
+def test_round_trip(valid, tmp_path):
+    manifest, members, data = valid
+    assert data[:8] == MAGIC
+    pkg = Package(data)
+    m = dict(pkg.manifest)
+    table = m.pop("members")
+    assert m == manifest
+    assert sorted(e[0] for e in table) == sorted(members)
+    for name, off, size, digest in table:
+        assert off % 16 == 0 and digest == canonical.digest(members[name])
+        assert pkg.member(name) == members[name]
+    assert pkg.compiler == __version__
+    assert pkg.kernel_object("x") == KERNEL
+    head, blobs = pkg.tile_image(0)
+    assert [s[0] for s in head["segments"]] == ["kernel", "program", "exchange", "data", "data"]
+    assert codegen.decode_program(blobs["program"]) == (["x"], [(0, [(0, [DATA, 3, 7])])])
+    assert codegen.decode_exchange(blobs["exchange"]).tolist() == [[0, 0, DATA, 16, 1, DATA + 4096, 16, 1, 16]]
+    assert np.frombuffer(blobs[f"data@{DATA}"], np.float32).tolist() == list(range(32))
+    assert pkg.tile_image(1)[0]["segments"] == []
+    f = tmp_path / "app.ipuexe"
+    f.write_bytes(data)
+    assert read_package(f).manifest == pkg.manifest
+    with pytest.raises(PackageError, match="cannot read"):
+        read_package(tmp_path / "missing.ipuexe")
+
+
+def test_deterministic_bytes(valid):
+    manifest, members, data = valid
+    m2, mem2 = make()
+    assert write_package(m2, mem2) == data
+    reordered = dict(reversed(list(mem2.items())))
+    assert write_package(copy.deepcopy(m2), reordered) == data
+    m3, mem3 = make(target="other")
+    assert write_package(m3, mem3) != data
+
+
+def test_write_package_refuses_unsafe_names(valid):
+    manifest, members, _ = valid
+    for bad in ["../x", "/etc/passwd", "a/../../b", "a//b", ".hidden", ""]:
+        with pytest.raises(ValueError):
+            write_package(manifest, {**members, bad: b"x"})
+
+
+def test_forge_helper_builds_a_valid_package(valid):
+    manifest, members, _ = valid
+    Package(forge(manifest, members))
+
+
+# corrupt packages ----------------------------------------------------------------------------
+@pytest.mark.parametrize("cut", [0, 1, 8, 50, 95])
+def test_truncated_inside_header(valid, cut):
+    reject(valid[2][:cut], rf"truncated: {cut} bytes is shorter than the 96-byte header")
+
+
+@pytest.mark.parametrize("frac", [0.0, 0.1, 0.5, 0.9, 0.999])
+def test_truncated_after_header(valid, frac):
+    data = valid[2]
+    cut = HEADER.size + int((len(data) - HEADER.size - 1) * frac)
+    reject(data[:cut], rf"truncated or padded: header says {len(data)} bytes, file has {cut}")
+
+
+def test_padded(valid):
+    reject(valid[2] + b"\0" * 16, "truncated or padded")
+
+
+def test_wrong_magic(valid):
+    data = bytearray(valid[2])
+    data[0:8] = b"IPUEXE\n\n"
+    reject(bytes(data), r"wrong magic")
+
+
+@pytest.mark.parametrize("version", [0, 2, 0xFFFFFFFF])
+def test_unknown_version(valid, version):
+    data = bytearray(valid[2])
+    struct.pack_into("<I", data, 8, version)
+    reject(bytes(data), rf"unknown format version {version}; this reader knows 1")
+
+
+def test_manifest_outside_file(valid):
+    data = bytearray(valid[2])
+    struct.pack_into("<Q", data, 40, len(data))
+    reject(bytes(data), "manifest lies outside the file")
+    data = bytearray(valid[2])
+    struct.pack_into("<Q", data, 32, 112)
+    reject(bytes(data), "manifest lies outside the file")
+
+
+def test_bad_manifest_checksum(valid):
+    data = bytearray(valid[2])
+    moff, msize, _ = parts(valid[2])
+    data[moff + msize // 2] ^= 0x01
+    reject(bytes(data), "^bad checksum of the manifest$")
+    data = bytearray(valid[2])
+    data[60] ^= 0x80                                   # inside the stored sha256
+    reject(bytes(data), "^bad checksum of the manifest$")
+
+
+def test_manifest_not_json(valid):
+    raw = b"{not json"
+    data = header(raw, HEADER.size + 16) + raw + b"\0" * (16 - len(raw))
+    reject(data, "manifest is not valid")
+    raw = canonical.dumps({"no": "members"})
+    data = header(raw, HEADER.size + len(raw)) + raw
+    reject(data, "manifest is not valid")
+
+
+@pytest.mark.parametrize("member", ["kernels/x.so", "host/program.json", "images"])
+def test_bad_member_checksum(valid, member):
+    manifest, members, data = valid
+    _, _, m = parts(data)
+    name, off, size, _ = next(e for e in m["members"] if e[0].startswith(member))
+    bad = bytearray(data)
+    bad[off + size - 1] ^= 0x40
+    reject(bytes(bad), rf"^bad checksum of member {name}$")
+
+
+def test_overlapping_members(valid):
+    manifest, members, _ = valid
+
+    def tweak(table):
+        k = next(e for e in table if e[0] == "kernels/x.so")
+        h = next(e for e in table if e[0] == "host/program.json")
+        h[1] = k[1] + 8
+    reject(forge(manifest, members, tweak), r"^members .* and .* overlap$")
+
+
+@pytest.mark.parametrize("where", ["past_end", "inside_manifest", "negative"])
+def test_member_outside_file(valid, where):
+    manifest, members, _ = valid
+
+    def tweak(table):
+        e = next(e for e in table if e[0] == "kernels/x.so")
+        if where == "past_end":
+            e[1] += 10 ** 6
+        elif where == "inside_manifest":
+            e[1] = HEADER.size + 4
+        else:
+            e[2] = -1
+    reject(forge(manifest, members, tweak), r"^member kernels/x\.so lies outside the file$")
+
+
+@pytest.mark.parametrize("name", ["../evil.so", "kernels/../../evil.so", "/tmp/evil.so", "/etc/passwd",
+                                  "..", "a\\..\\b", "kernels/x.so\0"])
+def test_hostile_member_paths(valid, name):
+    manifest, members, _ = valid
+    hostile = {**members, name: b"evil"}
+    reject(forge(manifest, hostile), r"could escape the extraction folder")
+
+
+def test_malformed_member_entry(valid):
+    manifest, members, _ = valid
+
+    def tweak(table):
+        table[0] = table[0][:3]
+    reject(forge(manifest, members, tweak), "^malformed member entry$")
+
+
+def test_tile_image_count(valid):
+    manifest, members, _ = valid
+    m = dict(manifest, tile_images=manifest["tile_images"][:1])
+    reject(write_package(m, members), r"^1 tile images for 2 tiles$")
+
+
+def test_tile_image_not_in_package(valid):
+    manifest, members, _ = valid
+    m = dict(manifest, tile_images=["ab" * 32, manifest["tile_images"][1]])
+    reject(write_package(m, members), r"^tile image abababababababab is not in the package$")
+
+
+def test_machine_missing(valid):
+    manifest, members, _ = valid
+    m = {k: v for k, v in manifest.items() if k != "machine"}
+    reject(write_package(m, members), "lacks the machine or tile tables")
+
+
+def test_malformed_tile_image(valid):
+    manifest, members, _ = valid
+    img = b"\x05\x00\x00\x00nope!"
+    d = canonical.digest(img)
+    m, mem = make(tile_images=[d, manifest["tile_images"][1]], extra_members={f"images/{d}.img": img})
+    reject(write_package(m, mem), rf"^tile image {d[:16]} is malformed$")
+
+
+@pytest.mark.parametrize("addr", [MEM["sram_base"] - 16, MEM["loader_limit"] - 8, MEM["sram_end"] + 64])
+def test_segment_outside_sram(addr):
+    img = _image(data={f"w@{addr}": np.zeros(4, np.float32)})
+    m, mem = make(img)
+    reject(write_package(m, mem), rf"^segment w of tile image [0-9a-f]{{16}} at {addr} \(\+16\) is outside "
+                                  rf"tile memory \[{MEM['sram_base']}, {MEM['loader_limit']}\)$")
+
+
+def test_overlapping_segments():
+    img = _image(data={f"a@{DATA}": np.zeros(16, np.float32), f"b@{DATA + 32}": np.zeros(4, np.float32)})
+    m, mem = make(img)
+    reject(write_package(m, mem), r"^segments a and b of tile image [0-9a-f]{16} overlap$")
+    # a data segment over the program
+    img = _image(data={f"c@{CODE + 4096 + 4}": np.zeros(1, np.float32)})
+    m, mem = make(img)
+    reject(write_package(m, mem), r"^segments program and c of tile image [0-9a-f]{16} overlap$")
+
+
+def test_code_segment_above_executable_end():
+    img = _image(program_addr=MEM["executable_end"] - 8)
+    m, mem = make(img)
+    reject(write_package(m, mem), r"^code segment program at \d+ is outside the executable region$")
+    img = _image(kernel_addr=MEM["executable_end"] - 4096 + 16)
+    m, mem = make(img)
+    reject(write_package(m, mem), r"^code segment x at \d+ is outside the executable region$")
+
+
+def test_kernel_not_in_package():
+    img = _image(kernel_digest="cd" * 32)
+    m, mem = make(img)
+    reject(write_package(m, mem), r"uses kernel x not in the package$")
+    m, mem = make(kernels={})
+    reject(write_package(m, mem), r"uses kernel x not in the package$")
+
+
+@pytest.mark.parametrize("binding", [[0, 64, 2, DATA], [0, 64, -1, DATA], [0, 64, 0, MEM["sram_base"] - 4],
+                                     [0, 64, 1, MEM["loader_limit"] - 32]])
+@pytest.mark.parametrize("side", ["inputs", "outputs"])
+def test_binding_out_of_range(valid, binding, side):
+    manifest, members, _ = valid
+    m = copy.deepcopy(manifest)
+    m[side][0]["ranges"].append(binding)
+    name = m[side][0]["name"]
+    reject(write_package(m, members), rf"^binding of {name} to tile {binding[2]} address {binding[3]} is out of range$")
+
+
+# hostile packages that escape as other exceptions ------------------------------------------
+@pytest.mark.xfail(strict=True, reason="BUG: package._check_tiles catches ValueError/KeyError/TypeError "
+                   "around read_image but not struct.error, raised by tensors.unpack on a member shorter "
+                   "than 4 bytes")
+def test_tiny_tile_image_is_a_package_error(valid):
+    manifest, _, _ = valid
+    img = b"\x01"
+    d = canonical.digest(img)
+    m, mem = make(tile_images=[d, manifest["tile_images"][1]], extra_members={f"images/{d}.img": img})
+    reject(write_package(m, mem), "malformed")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: package._check_tiles unpacks each segment as 5 fields outside "
+                   "its try block: a segment of another length raises ValueError, not PackageError")
+def test_segment_of_wrong_arity_is_a_package_error(valid):
+    manifest, _, _ = valid
+    head = canonical.dumps({"tile_image": 1, "segments": [["data", "w", DATA, 4]]})
+    from ipubuild import tensors
+    img = tensors.pack({"header": np.frombuffer(head, np.uint8)})
+    d = canonical.digest(img)
+    m, mem = make(tile_images=[d, manifest["tile_images"][1]], extra_members={f"images/{d}.img": img})
+    reject(write_package(m, mem), "malformed")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: package._check_tiles reads m['kernels'] outside its try block: a "
+                   "manifest without a kernels table raises KeyError, not PackageError")
+def test_manifest_without_kernels_table_is_a_package_error(valid):
+    manifest, members, _ = valid
+    m = {k: v for k, v in manifest.items() if k != "kernels"}
+    reject(write_package(m, members), "kernel")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: Package accepts members 'a' and 'a/b' (one a file, the other "
+                   "needing it as a folder); Package.extract then fails with FileExistsError/NotADirectoryError "
+                   "instead of PackageError")
+def test_member_that_is_also_a_folder(valid, tmp_path):
+    manifest, members, _ = valid
+    data = write_package(manifest, {**members, "kernels": b"file", "kernels/y.so": b"obj"})
+    pkg = Package(data)
+    with pytest.raises(PackageError):
+        pkg.extract(tmp_path / "out")
+
+
+# extraction ----------------------------------------------------------------------------------
+def _all_files(root: Path) -> set[Path]:
+    return {p for p in root.rglob("*")}
+
+
+def test_extract_writes_only_under_dest(valid, tmp_path):
+    manifest, members, data = valid
+    dest = tmp_path / "dest"
+    before = _all_files(tmp_path)
+    written = Package(data).extract(dest)
+    assert sorted(written) == sorted((dest / n).resolve() for n in members)
+    for n, b in members.items():
+        assert (dest / n).read_bytes() == b
+    new = _all_files(tmp_path) - before
+    assert all(dest.resolve() in p.resolve().parents or p.resolve() == dest.resolve() for p in new)
+    assert not [p for p in new if p.name.endswith(".tmp")]
+
+
+def test_extract_refuses_symlinked_folder(valid, tmp_path):
+    manifest, members, data = valid
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    os.symlink(outside, dest / "kernels")
+    with pytest.raises(PackageError, match=r"member path 'kernels/x\.so' escapes the extraction folder"):
+        Package(data).extract(dest)
+    assert list(outside.iterdir()) == []
+
+
+# fuzz ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def valid_bytes():
+    m, mem = make()
+    return write_package(m, mem)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(1, 255)), max_size=4),
+       st.one_of(st.none(), st.floats(0, 1)), st.booleans())
+def test_fuzz_flips_and_truncations(valid_bytes, flips, cut, header_only):
+    data = bytearray(valid_bytes)
+    span = 96 if header_only else len(data)
+    for pos, xor in flips:
+        data[int(pos * span)] ^= xor
+    if cut is not None:
+        data = data[:int(cut * len(data))]
+    try:
+        pkg = Package(bytes(data))
+    except PackageError as exc:
+        assert "\n" not in str(exc)
+        return
+    # it loaded: every member it serves is the bytes its manifest names
+    for name, (off, size, digest) in pkg.by_name.items():
+        assert canonical.digest(pkg.member(name)) == digest
+    assert pkg.member("kernels/x.so") == KERNEL
