@@ -111,6 +111,14 @@ class Package:
             spans.append((off, off + size, name))
             self.by_name[name] = (off, size, digest)
             self.by_digest[digest] = name
+        names = set(self.by_name)
+        if len(names) != len(members):
+            self._fail("duplicate member names")
+        for name in names:
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                if "/".join(parts[:i]) in names:
+                    self._fail(f"member {'/'.join(parts[:i])} is also the folder of member {name}")
         spans.sort()
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
             if b0 < a1:
@@ -124,10 +132,12 @@ class Package:
     def _check_tiles(self, m: dict) -> None:
         try:
             mem = m["machine"]
-            tiles, images = m["tiles"], m["tile_images"]
+            tiles, images, kernels = m["tiles"], m["tile_images"], m["kernels"]
             lo, hi, xend = mem["sram_base"], mem["loader_limit"], mem["executable_end"]
+            if not (isinstance(kernels, dict) and isinstance(images, list) and isinstance(tiles, int)):
+                raise TypeError
         except (KeyError, TypeError):
-            self._fail("manifest lacks the machine or tile tables")
+            self._fail("manifest lacks the machine, tile or kernel tables")
         if len(images) != tiles:
             self._fail(f"{len(images)} tile images for {tiles} tiles")
         self.images = {}
@@ -137,7 +147,9 @@ class Package:
             try:
                 header, blobs = read_image(self.member(self.by_digest[digest]))
                 segments = header["segments"]
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+                if not all(isinstance(s, list) and len(s) == 5 for s in segments):
+                    raise ValueError("segment arity")
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error):
                 self._fail(f"tile image {digest[:16]} is malformed")
             prev_end, prev = 0, None
             for kind, name, addr, size, sd in sorted(segments, key=lambda s: s[2]):
@@ -150,7 +162,7 @@ class Package:
                     self._fail(f"segments {prev} and {name} of tile image {digest[:16]} overlap")
                 prev_end, prev = addr + size, name
                 if kind == "kernel":
-                    if m["kernels"].get(name) != sd:
+                    if kernels.get(name) != sd:
                         self._fail(f"tile image {digest[:16]} uses kernel {name} not in the package")
                 elif kind in ("program", "exchange"):
                     if canonical.digest(blobs.get(kind, b"")) != sd:

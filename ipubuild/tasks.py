@@ -195,13 +195,13 @@ def _tasks(root: Path):
         machine = target["target"]["machine"]
         try:
             if machine not in seen_machines:
-                yield step_task(ws, machine_step(machine))
-                if kernels is None:
-                    ksteps = kernel_steps(machine)
-                    kernels = [s.name for s in ksteps]
-                    for s in ksteps:
-                        yield step_task(ws, s)
                 seen_machines.add(machine)
+                yield step_task(ws, machine_step(machine))
+            if kernels is None:
+                ksteps = kernel_steps(machine)
+                kernels = [s.name for s in ksteps]
+                for s in ksteps:
+                    yield step_task(ws, s)
             steps = target_steps(target, kernels, ws.artifacts)
         except UserError as exc:
             yield {"basename": "build", "name": target["name"], "actions": [_broken(str(exc))]}

@@ -181,7 +181,7 @@ def test_gelu_tanh_form(seed):
     want = np.zeros((7, 11))
     for idx, v in np.ndenumerate(ins[x].astype(np.float64)):
         want[idx] = 0.5 * v * (1.0 + math.tanh(math.sqrt(2.0 / math.pi) * (v + 0.044715 * v ** 3)))
-    close(got, want)
+    close(got, want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("h,w,p,c", [(4, 6, 2, 3), (8, 8, 4, 1), (6, 9, 3, 2)])
@@ -333,8 +333,6 @@ def test_unknown_operator():
     assert not g.ops
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: AttentionContext.infer does not check that qkv width is "
-                   "3*heads*dh, so a bad qkv is accepted and evaluation fails with a bare ValueError")
 def test_attention_context_rejects_qkv_width_not_divisible_by_heads():
     g = ir.Graph()
     qkv = g.input("qkv", (4, 9))      # D = 3, not divisible by 2 heads
@@ -445,7 +443,7 @@ def test_matmul_stage1_reads_cover_a_and_b(name, tiles):
     a, b = (g.values[i] for i in op.inputs[:2])
     plans = impl.plans(g, op, tiles)
     assert plans
-    assert plans[0]["m"] * plans[0]["n"] * plans[0]["k"] == max(p["m"] * p["n"] * p["k"] for p in plans)
+    assert len({tuple(sorted(p.items())) for p in plans}) == len(plans)       # no duplicates
     for plan in plans:
         assert plan["m"] * plan["n"] * plan["k"] <= tiles
         low = impl.lower(g, op, plan)
@@ -471,8 +469,6 @@ def test_matmul_stage1_reads_cover_a_and_b(name, tiles):
         assert len(low.stages) == (1 if plan["k"] == 1 else 2)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: MatMul.plans requires k <= K // 16 even for k=1, so a "
-                   "matmul with K < 16 has no plan at all and build_program fails")
 def test_matmul_with_small_k_has_a_plan():
     from ipubuild.planning.program import build_program, default_layout
     g = ir.Graph()

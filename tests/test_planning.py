@@ -52,9 +52,9 @@ def buffers_st(draw):
     n = draw(st.integers(1, 14))
     out = {}
     for i in range(n):
-        start = draw(st.integers(0, 8))
+        start = draw(st.integers(0, 5))
         out[f"b{i}"] = {"size": draw(st.integers(0, 3000)), "start": start,
-                        "end": start + draw(st.integers(0, 5))}
+                        "end": start + draw(st.integers(0, 3))}
     return out
 
 
@@ -123,8 +123,6 @@ def test_allocate_overflow_message():
                                       "tile memory is 56 bytes")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: storage._largest_gap measures free space at a fixed 8-byte "
-                   "alignment, so with alignment > 8 the error may claim a free block >= the bytes needed")
 def test_allocate_overflow_message_is_consistent_for_wide_alignment():
     with pytest.raises(UserError) as info:
         storage.allocate({"x": {"size": 8, "start": 0, "end": 0}}, [(8, 72)], 64, tile=3)
@@ -156,8 +154,6 @@ def test_memory_overflow_through_the_pipeline(vit_program):
     assert "tile_count" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: phases._allocate_all names buffers by value key ('v12') or "
-                   "buffer id ('i1'), so the overflow error does not name the graph tensor")
 def test_memory_overflow_names_the_graph_tensor(vit_graph, vit_program):
     with pytest.raises(UserError) as info:
         phases._allocate_all(vit_program, {}, _tiny_machine())
@@ -279,12 +275,19 @@ def gather_st(draw):
         rows, rb = draw(st.integers(1, 4)), draw(st.integers(1, 24))
         ss = rb + draw(st.sampled_from([0, 0, 3]))
         ds = rb + draw(st.sampled_from([0, 0, 5]))
-        if out and draw(st.booleans()):
+        mode = draw(st.sampled_from(["new", "both", "both", "src_only", "dst_only"])) if out else "new"
+        if mode != "new":
+            # continue the previous transfer on both sides, or on one side only
             p = out[-1]
             st_, sb, dt, db = p[0], p[1], p[4], p[5]
             so = p[2] + (p[8] - 1) * p[3] + p[9]
             do = p[6] + (p[8] - 1) * p[7] + p[9]
             assert do == cursor[(dt, db)]
+            if mode == "src_only":
+                do += draw(st.integers(1, 9))
+            elif mode == "dst_only":
+                so += draw(st.sampled_from([-p[9], 1, 5]))
+                so = max(so, 0)
         else:
             st_, sb = draw(st.integers(0, 3)), draw(st.sampled_from(["s0", "s1"]))
             dt, db = draw(st.integers(0, 3)), draw(st.sampled_from(["d0", "d1"]))
@@ -378,7 +381,7 @@ def test_program_cost_sums_steps(vit_graph, vit_program):
         slowest = max(per_tile.values(), default=0)
         slowest_all.append(slowest)
         total += h + slowest + sync
-    assert len(cost["steps"]) == len(vit_program["steps"]) == 27
+    assert len(cost["steps"]) == len(vit_program["steps"]) >= len(vit_graph.ops)
     assert cost["final_cycles"] == total
     assert cost["final_exchange"] == sum(horizons)
     assert [s["compute"] for s in cost["steps"]] == slowest_all
@@ -391,7 +394,12 @@ def test_vit_plans_and_program_shape(vit_graph, vit_program):
     plans = plans_of(vit_graph, 64)
     assert set(plans) == {op.id for op in vit_graph.ops}
     assert all(plans[op.id] for op in vit_graph.ops)
-    assert [s["op"] for s in vit_program["steps"]] == [op.id for op in vit_graph.ops]
+    step_ops = [s["op"] for s in vit_program["steps"]]
+    assert step_ops == sorted(step_ops) and set(step_ops) == {op.id for op in vit_graph.ops}
+    for op in vit_graph.ops:      # one step per stage of the operation's default plan
+        impl = registry().get(op.type)
+        stages = len(impl.lower(vit_graph, op, impl.plans(vit_graph, op, 64)[0]).stages)
+        assert step_ops.count(op.id) == stages, op.name
     names = {o["name"] for o in vit_program["outputs"]}
     assert names == {"features", "logits"}
     # every graph output element is covered exactly once by the output ranges

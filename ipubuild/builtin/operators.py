@@ -53,12 +53,18 @@ CAST_TYPES = [("f32", "f143"), ("f32", "f152"), ("f143", "f32"), ("f152", "f32")
               ("f16", "f32")]
 
 
-def _rows_plans(rows: int, tile_count: int) -> list[dict]:
+MIN_ROWS = 8  # the default plan gives each tile at least this many rows (finer ones fragment)
+
+
+def _rows_plans(rows: int, tile_count: int, min_rows: int = MIN_ROWS) -> list[dict]:
+    """Row splits over 1, 2, 4, … tiles and over min(rows, tiles); the default (first) is the
+    largest with at least ``min_rows`` rows a tile."""
     counts, n = [], min(rows, tile_count)
     while n >= 1:
         counts.append(n)
         n //= 2
-    return [{"rows": c} for c in counts]
+    default = next((c for c in counts if rows // c >= min_rows), counts[-1])
+    return [{"rows": default}] + [{"rows": c} for c in counts if c != default]
 
 
 def _rows_work(rows: int, plan: dict, fn) -> list[TileWork]:
@@ -250,7 +256,7 @@ class Patchify(Operator):
 
     def plans(self, graph, op, tile_count):
         x = graph.values[op.inputs[0]]
-        return _rows_plans(x.rows // op.attrs["patch"], tile_count)
+        return _rows_plans(x.rows // op.attrs["patch"], tile_count, min_rows=1)  # a patch row is 16 rows
 
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
@@ -374,10 +380,12 @@ class MatMul(Operator):
         for k in (1, 2, 4, 8):
             for m in _pow2(min(m_, tile_count)):
                 for n in _pow2(min(n_, tile_count)):
-                    if m * n * k <= tile_count and k <= k_ // 16:
+                    if m * n * k <= tile_count and (k == 1 or k <= k_ // 16):
                         out.append({"m": m, "n": n, "k": k})
-        # default first: all tiles, no K split, the squarest blocks
-        out.sort(key=lambda p: (-(p["m"] * p["n"] * p["k"]), p["k"],
+        # default first: blocks of at least 8 rows and 32 columns (smaller ones fragment the
+        # exchange), then the most tiles, no K split, the squarest blocks
+        out.sort(key=lambda p: (m_ // p["m"] < min(8, m_) or n_ // p["n"] < min(32, n_),
+                                -(p["m"] * p["n"] * p["k"]), p["k"],
                                 abs(math.log2(max(1, m_ // p["m"]) / max(1, n_ // p["n"])))))
         return out
 
@@ -483,6 +491,8 @@ class AttentionContext(Operator):
     def infer(self, graph, op):
         p, qkv = (graph.values[i] for i in op.inputs)
         h = op.attrs["heads"]
+        if len(qkv.shape) != 2 or qkv.shape[1] % (3 * h):
+            raise ValueError(f"qkv must be [S, 3*D] with D divisible by {h} heads, got {list(qkv.shape)}")
         s, d = qkv.shape[0], qkv.shape[1] // 3
         if p.shape != (h, s, s):
             raise ValueError(f"probabilities must be [{h}, {s}, {s}], got {list(p.shape)}")

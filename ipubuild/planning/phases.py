@@ -143,7 +143,7 @@ def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
             raise UserError(f"tile {tile}", f"generated code needs {code[tile]} bytes but the "
                             f"executable region holds {machine['memory']['executable_end'] - ranges['code_address']}; "
                             "raise target.tile_count")
-        names = {b: v.get("value", b) for b, v in bufs.items()}
+        names = {b: program["names"].get(v.get("value"), b) for b, v in bufs.items()}
         out[tile] = {"code_bytes": code.get(tile, 0), "ranges": ranges,
                      "addresses": mem.allocate(bufs, ranges["available_ranges"], align, tile=int(tile), names=names)}
     return out

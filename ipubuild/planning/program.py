@@ -82,12 +82,12 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                     if vid in constants:
                         k = (tile, blk)
                         if k not in const_bufs:
-                            const_bufs[k] = new_buf(tile, "c", size, 0, init=list(blk))
+                            const_bufs[k] = new_buf(tile, "c", size, 0, init=list(blk), value=vk)
                         bid = const_bufs[k]
                     elif vid in inputs:
                         k = (tile, blk)
                         if k not in input_bufs:
-                            input_bufs[k] = new_buf(tile, "i", size, 0, input=list(blk))
+                            input_bufs[k] = new_buf(tile, "i", size, 0, input=list(blk), value=vk)
                         bid = input_bufs[k]
                     else:
                         exact = [b for (t, b, sb) in stored[vk] if t == tile and tuple(sb) == (r0, r1, c0, c1)]
@@ -96,7 +96,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                         elif (tile, blk) in gathered:
                             bid = gathered[(tile, blk)]
                         else:
-                            bid = gathered[(tile, blk)] = new_buf(tile, "g", size, s)
+                            bid = gathered[(tile, blk)] = new_buf(tile, "g", size, s, value=vk)
                             step["transfers"].extend(_transfers(stored[vk], blk, tile, bid, isz, name, use, s))
                     use(tile, bid, s)
                     read_bufs.append(bid)
@@ -135,6 +135,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
         "inputs": [{"value": vid, "name": graph.values[vid].name, "ranges": in_ranges[vid]}
                    for vid in graph.inputs],
         "outputs": outputs,
+        "names": {**{f"v{vid}": v.name for vid, v in graph.values.items()}, **{t: t for t in temps}},
     }
 
 

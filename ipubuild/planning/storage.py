@@ -41,7 +41,7 @@ def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, nam
         addr = _first_fit(live, ranges, size, alignment)
         if addr is None:
             name = (names or {}).get(bid, bid)
-            free = _largest_gap(live, ranges)
+            free = _largest_gap(live, ranges, alignment)
             raise UserError(f"tile {tile}", f"tensor {name} needs {size} bytes but the largest free "
                             f"block of tile memory is {free} bytes; raise target.tile_count or "
                             "choose a plan that splits it further")
@@ -71,8 +71,8 @@ def _first_fit(live, ranges, size, alignment):
     return None
 
 
-def _largest_gap(live, ranges):
-    return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, 8)), default=0)
+def _largest_gap(live, ranges, alignment):
+    return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, alignment)), default=0)
 
 
 def peak_bytes(buffers: dict[str, dict], addresses: dict[str, int], alignment: int) -> int:
