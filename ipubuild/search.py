@@ -28,7 +28,7 @@ from .files import write_atomic
 from .log import log, span
 from .operators import ceil_div, registry
 from .planning.cost import vertex_cycles
-from .planning.program import default_layout, intersect, plans_of
+from .planning.program import Blocks, default_layout, plans_of
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
               "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
@@ -127,7 +127,7 @@ class Estimator:
         return self._terms[key]
 
     def _compute(self, op, layout) -> int:
-        stored = collections.defaultdict(list)
+        stored = collections.defaultdict(Blocks)
         for v in op.inputs:
             if v in self.fixed:
                 continue
@@ -135,7 +135,7 @@ class Estimator:
             pc = layout["ops"][str(p.id)]
             for w in self.lowering(p, pc["plan"]).stages[-1]:
                 for blk in w.writes:
-                    stored[blk[0]].append(((pc["offset"] + w.tile) % self.T, blk[1:]))
+                    stored[blk[0]].add((pc["offset"] + w.tile) % self.T, None, blk[1:])
         choice = layout["ops"][str(op.id)]
         x, c = self.m["exchange"], self.m["compute"]
         total = pressure = 0
@@ -145,18 +145,17 @@ class Estimator:
             for w in stage:
                 tile = (choice["offset"] + w.tile) % self.T
                 for blk in w.reads:
-                    for src, sblk in stored.get(blk[0], ()):
-                        hit = intersect(sblk, blk[1:])
-                        if hit is None or (src == tile and tuple(sblk) == tuple(blk[1:])):
-                            continue
-                        nbytes = hit * self._itemsize(blk[0])
+                    if blk[0] not in stored or stored[blk[0]].exact(tile, blk[1:]) is not None:
+                        continue
+                    for src, _, _, (r0, r1, c0, c1) in stored[blk[0]].overlapping(blk[1:]):
+                        nbytes = (r1 - r0) * (c1 - c0) * self._itemsize(blk[0])
                         send[src] += nbytes
                         recv[tile] += nbytes
                         entries[src] += 1
                 compute[tile] += sum(vertex_cycles(k, a, self.m) for k, a in w.vertices)
             for w in stage:
                 for blk in w.writes:
-                    stored[blk[0]].append(((choice["offset"] + w.tile) % self.T, blk[1:]))
+                    stored[blk[0]].add((choice["offset"] + w.tile) % self.T, None, blk[1:])
             port = max([*send.values(), *recv.values(), 0])
             pressure += port
             total += (ceil_div(port, x["bytes_per_cycle"]) + x["transfer_setup_cycles"] * max(entries.values(), default=0)
@@ -393,9 +392,37 @@ def _proposals(h: Heuristic, layout, sc) -> list:
     return list(out)
 
 
+INITIAL_PLANS_TRIED = 8
+SPREAD_FACTOR = 2
+
+
 def initial_layout(sc: SearchContext, found) -> dict:
-    """Every operation's default plan at tile 0 (heuristics then improve it)."""
-    return default_layout(sc.graph, sc.tile_count)
+    """Greedy: in program order, each operation takes the plan (among its default and up to
+    INITIAL_PLANS_TRIED spread over its list) that the estimator finds cheapest given the
+    plans already chosen for its producers."""
+    layout = default_layout(sc.graph, sc.tile_count)
+    cursor = 0
+    for op in sc.graph.ops:
+        n = len(sc.plans[op.id])
+        tried = sorted({0, *(i * (n - 1) // max(1, INITIAL_PLANS_TRIED - 1) for i in range(INITIAL_PLANS_TRIED))})
+        best = None
+        for p in tried:
+            layout["ops"][str(op.id)]["plan"] = p
+            cost = sc.estimator.term(op, layout)[0]
+            if best is None or cost < best[0]:
+                best = (cost, p)
+        layout["ops"][str(op.id)]["plan"] = best[1]
+        # on a machine much larger than the operation, give it fresh tiles (spreading code and
+        # data over the machine); otherwise start where its first producer starts
+        used = len({w.tile for st in sc.estimator.lowering(op, best[1]).stages for w in st})
+        if used * SPREAD_FACTOR <= sc.tile_count:
+            layout["ops"][str(op.id)]["offset"] = cursor
+            cursor = (cursor + used) % sc.tile_count
+        else:
+            producer = next((sc.producer[v] for v in op.inputs if v in sc.producer), None)
+            if producer is not None:
+                layout["ops"][str(op.id)]["offset"] = layout["ops"][str(producer.id)]["offset"]
+    return layout
 
 
 def screen(proposals, incumbent, sc, visited, shortlist_size):

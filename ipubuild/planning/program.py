@@ -9,9 +9,48 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
+
 from ..errors import UserError
 from ..ir import Graph
 from ..operators import registry
+
+
+class Blocks:
+    """Where the blocks of one value are stored — ``(tile, buffer, (r0, r1, c0, c1))`` — with
+    fast lookup of the blocks a read overlaps (vectorised once there are many)."""
+
+    def __init__(self):
+        self.items: list = []
+        self._exact: dict = {}
+        self._arr = None
+
+    def add(self, tile, buf, blk) -> None:
+        blk = tuple(blk)
+        self.items.append((tile, buf, blk))
+        self._exact.setdefault((tile, blk), buf)
+        self._arr = None
+
+    def exact(self, tile, blk):
+        return self._exact.get((tile, tuple(blk)))
+
+    def overlapping(self, blk) -> list:
+        """``[(tile, buf, stored block, intersection)]`` for stored blocks overlapping ``blk``."""
+        rr0, rr1, rc0, rc1 = blk
+        if len(self.items) < 32:
+            idx = range(len(self.items))
+        else:
+            if self._arr is None:
+                self._arr = np.array([b for _, _, b in self.items], dtype=np.int64).reshape(-1, 4)
+            a = self._arr
+            idx = np.nonzero((a[:, 0] < rr1) & (a[:, 1] > rr0) & (a[:, 2] < rc1) & (a[:, 3] > rc0))[0].tolist()
+        out = []
+        for i in idx:
+            tile, buf, (sr0, sr1, sc0, sc1) = self.items[i]
+            ir0, ir1, ic0, ic1 = max(rr0, sr0), min(rr1, sr1), max(rc0, sc0), min(rc1, sc1)
+            if ir0 < ir1 and ic0 < ic1:
+                out.append((tile, buf, (sr0, sr1, sc0, sc1), (ir0, ir1, ic0, ic1)))
+        return out
 
 
 def default_layout(graph: Graph, tile_count: int) -> dict:
@@ -28,7 +67,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     reg = registry()
     steps: list[dict] = []
     buffers: dict[int, dict[str, dict]] = {t: {} for t in range(tile_count)}
-    stored: dict[str, list] = defaultdict(list)          # value key -> [(tile, buf, block)]
+    stored: dict[str, Blocks] = defaultdict(Blocks)
     const_bufs: dict[tuple, str] = {}
     input_bufs: dict[tuple, str] = {}
     temps: dict[str, tuple] = {}
@@ -90,9 +129,9 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                             input_bufs[k] = new_buf(tile, "i", size, 0, input=list(blk), value=vk)
                         bid = input_bufs[k]
                     else:
-                        exact = [b for (t, b, sb) in stored[vk] if t == tile and tuple(sb) == (r0, r1, c0, c1)]
-                        if exact:
-                            bid = exact[0]
+                        exact = stored[vk].exact(tile, (r0, r1, c0, c1))
+                        if exact is not None:
+                            bid = exact
                         elif (tile, blk) in gathered:
                             bid = gathered[(tile, blk)]
                         else:
@@ -105,7 +144,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                     vk, r0, r1, c0, c1 = blk
                     rows, cols, isz, name = vinfo(vk)
                     bid = new_buf(tile, "o", (r1 - r0) * (c1 - c0) * isz, s, value=vk, block=list(blk[1:]))
-                    stored[vk].append((tile, bid, (r0, r1, c0, c1)))
+                    stored[vk].add(tile, bid, (r0, r1, c0, c1))
                     write_bufs.append(bid)
                 verts = step["vertices"].setdefault(str(tile), [])
                 for kernel, args in work.vertices:
@@ -121,7 +160,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     for vid in graph.outputs:
         v = graph.values[vid]
         ranges = []
-        for tile, bid, (r0, r1, c0, c1) in stored[f"v{vid}"]:
+        for tile, bid, (r0, r1, c0, c1) in stored[f"v{vid}"].items:
             buffers[tile][bid]["end"] = end
             ranges.append([tile, bid, r0, r1, c0, c1])
         outputs.append({"value": vid, "name": v.name, "ranges": sorted(ranges)})
@@ -146,20 +185,11 @@ def _arg(a, reads, writes):
     return a
 
 
-def intersect(a, b) -> int | None:
-    """Elements shared by blocks ``(r0, r1, c0, c1)`` a and b, or None if disjoint."""
-    r0, r1, c0, c1 = max(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), min(a[3], b[3])
-    return (r1 - r0) * (c1 - c0) if r0 < r1 and c0 < c1 else None
-
-
-def _transfers(sources, blk, tile, bid, isz, name, use, step):
+def _transfers(sources: Blocks, blk, tile, bid, isz, name, use, step):
     vk, rr0, rr1, rc0, rc1 = blk
     covered = 0
     out = []
-    for src_tile, src_buf, (sr0, sr1, sc0, sc1) in sources:
-        ir0, ir1, ic0, ic1 = max(rr0, sr0), min(rr1, sr1), max(rc0, sc0), min(rc1, sc1)
-        if ir0 >= ir1 or ic0 >= ic1:
-            continue
+    for src_tile, src_buf, (sr0, sr1, sc0, sc1), (ir0, ir1, ic0, ic1) in sources.overlapping((rr0, rr1, rc0, rc1)):
         covered += (ir1 - ir0) * (ic1 - ic0)
         use(src_tile, src_buf, step)
         out.append([src_tile, src_buf, ((ir0 - sr0) * (sc1 - sc0) + (ic0 - sc0)) * isz, (sc1 - sc0) * isz,
