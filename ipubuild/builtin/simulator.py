@@ -86,10 +86,7 @@ class Simulator:
         sync = machine["exchange"]["sync_cycles"]
         for s in range(host["run"]["phases"]):
             step_entries = by_step.get(s, [])
-            for st, sa, ss, dt, da, ds, rows, rb in step_entries:
-                src = np.lib.stride_tricks.as_strided(mems[int(st)][int(sa):], (int(rows), int(rb)), (int(ss), 1))
-                dst = np.lib.stride_tricks.as_strided(mems[int(dt)][int(da):], (int(rows), int(rb)), (int(ds), 1))
-                dst[...] = src
+            run_exchange(mems, step_entries)
             horizon = exchange.horizon_of([[int(x) for x in e] for e in step_entries], machine,
                                           host_program["paired"][s]) if step_entries else 0
             compute = {}
@@ -133,6 +130,22 @@ class Simulator:
             fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
             out[name] = fn
         return out
+
+
+def run_exchange(mems: dict, entries) -> None:
+    """Perform one exchange phase: each entry ``[src_tile, src_addr, src_stride, dst_tile,
+    dst_addr, dst_stride, rows, row_bytes]`` copies ``rows`` rows of ``row_bytes`` bytes. All
+    reads happen before any write (the exchange is a phase, not a sequence of copies)."""
+    staged = []
+    for st, sa, ss, dt, da, ds, rows, rb in entries:
+        for tile, addr, stride in ((st, sa, ss), (dt, da, ds)):
+            if int(tile) not in mems or int(addr) + (int(rows) - 1) * int(stride) + int(rb) > len(mems[int(tile)]):
+                raise UserError("package", f"exchange entry to or from tile {int(tile)} address {int(addr)} "
+                                "is out of range: the package is corrupt")
+        src = np.lib.stride_tricks.as_strided(mems[int(st)][int(sa):], (int(rows), int(rb)), (int(ss), 1))
+        staged.append((int(dt), int(da), int(ds), int(rows), int(rb), src.copy()))
+    for dt, da, ds, rows, rb, data in staged:
+        np.lib.stride_tricks.as_strided(mems[dt][da:], (rows, rb), (ds, 1))[...] = data
 
 
 def _read(mem, where):

@@ -1,0 +1,128 @@
+"""End to end: the build passes, the device profile equals the cost model, the simulator's
+exchange copies exactly what the tables say, and the kernel developer's loop re-runs only what a
+kernel edit touches."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ipubuild import canonical
+from ipubuild.build import build_in_process
+from ipubuild.builtin.simulator import run_exchange
+from ipubuild.errors import UserError
+from ipubuild.pipeline import Workspace
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = """
+[target]
+tile_count = 16
+[model]
+family = "vit"
+image_size = 64
+patch = 16
+width = 64
+heads = 2
+mlp = 128
+classes = 10
+[search]
+rounds = 1
+"""
+
+
+def small_tree(root: Path, with_ipubuild=False) -> Path:
+    (root / "targets").mkdir(parents=True)
+    (root / "targets" / "small.toml").write_text(SMALL)
+    shutil.copy(ROOT / "dodo.py", root / "dodo.py")
+    if with_ipubuild:
+        shutil.copytree(ROOT / "ipubuild", root / "ipubuild",
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def doit(tree: Path, *args):
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    p = subprocess.run([sys.executable, "-m", "doit", *args], cwd=tree, env=env, capture_output=True,
+                       text=True, timeout=600)
+    return p.returncode, p.stdout + p.stderr
+
+
+def executed(log: str) -> list[str]:
+    return sorted({line[3:] for line in log.splitlines() if line.startswith(".  ")})
+
+
+def test_build_passes_and_profile_equals_cost_model(tmp_path, monkeypatch):
+    tree = small_tree(tmp_path)
+    monkeypatch.chdir(tree)
+    out = build_in_process(tree, "targets/small.toml")
+    ws = Workspace.at(tree)
+    verdict = canonical.loads(ws.engine.fetch(out["small/verdict"]))
+    cost = canonical.loads(ws.engine.fetch(out["small/cost"]))
+    profile = canonical.loads(ws.engine.fetch(out["small/profile"]))
+    assert verdict["pass"] and verdict["device_ok"]
+    assert float(verdict["min_cosine"]) > 0.999
+    assert profile["total_cycles"] == cost["final_cycles"]
+    assert [s["exchange"] for s in profile["steps"]] == [s["exchange"] for s in cost["steps"]]
+    assert [s["slowest"] for s in profile["steps"]] == [s["compute"] for s in cost["steps"]]
+    assert profile["tiles"] == 1472
+    assert (tree / "artifacts" / "small" / "small.ipuexe").stat().st_size > 0
+
+
+def test_exchange_copies_exactly_what_the_tables_say():
+    rng = np.random.default_rng(0)
+    mems = {t: rng.integers(0, 256, 4096, dtype=np.uint8) for t in range(4)}
+    before = {t: m.copy() for t, m in mems.items()}
+    entries = [[0, 100, 64, 1, 2000, 16, 5, 16],   # strided gather: 5 rows of 16 bytes
+               [2, 0, 300, 2, 3000, 300, 1, 300],   # on-tile copy
+               [3, 4000, 96, 0, 10, 40, 1, 40]]
+    run_exchange(mems, entries)
+    want = {t: m.copy() for t, m in before.items()}
+    for st, sa, ss, dt, da, ds, rows, rb in entries:
+        for r in range(rows):
+            want[dt][da + r * ds:da + r * ds + rb] = before[st][sa + r * ss:sa + r * ss + rb]
+    for t in mems:
+        assert np.array_equal(mems[t], want[t])
+
+
+def test_exchange_reads_before_it_writes():
+    mems = {0: np.arange(64, dtype=np.uint8), 1: np.zeros(64, dtype=np.uint8)}
+    # swap two halves of tile 0 in one phase
+    run_exchange(mems, [[0, 0, 32, 0, 32, 32, 1, 32], [0, 32, 32, 0, 0, 32, 1, 32]])
+    assert list(mems[0]) == list(range(32, 64)) + list(range(32))
+
+
+def test_exchange_out_of_range_is_an_error():
+    mems = {0: np.zeros(64, dtype=np.uint8)}
+    with pytest.raises(UserError, match="out of range"):
+        run_exchange(mems, [[0, 0, 32, 0, 40, 32, 1, 32]])
+
+
+def test_kernel_loop_through_doit(tmp_path):
+    tree = small_tree(tmp_path, with_ipubuild=True)
+    rc, log = doit(tree, "build:small")
+    assert rc == 0 and "numericalTest=PASS" in log, log[-3000:]
+    package = (tree / "artifacts" / "small" / "small.ipuexe").read_bytes()
+    kernel = tree / "ipubuild" / "kernels" / "matmul.c"
+    original = kernel.read_text()
+
+    kernel.write_text(original + "\n/* a comment-only edit */\n")
+    rc, log = doit(tree, "build:small")
+    assert rc == 0, log[-3000:]
+    ran = executed(log)
+    assert any(t.startswith("compile_kernels:matmul") for t in ran)
+    assert all(t.startswith(("compile_kernels:", "build:")) for t in ran), ran
+    assert (tree / "artifacts" / "small" / "small.ipuexe").read_bytes() == package
+
+    kernel.write_text(original + "\nint ipubuild_probe(int x) { return 3 * x + 1; }\n")
+    rc, log = doit(tree, "build:small")
+    assert rc == 0 and "numericalTest=PASS" in log, log[-3000:]
+    ran = executed(log)
+    assert any(t.startswith("build_tile_images:") for t in ran)
+    assert "write_package:small" in ran and "run_device:small" in ran
+    allowed = ("compile_kernels:", "link_kernels:", "build_tile_images:", "write_package:", "run_device:",
+               "check_numerics:", "build:")
+    assert all(t.startswith(allowed) for t in ran), [t for t in ran if not t.startswith(allowed)]
+    assert (tree / "artifacts" / "small" / "small.ipuexe").read_bytes() != package
