@@ -78,10 +78,27 @@ def _action(ws: Workspace, step: Step):
         except Exception as exc:  # noqa: BLE001
             if os.environ.get("IPUBUILD_VERBOSE"):
                 traceback.print_exc()
+            plugin = _plugin_in_traceback(ws, exc)
+            if plugin:
+                return TaskFailed(f"plugin {plugin}: raised {type(exc).__name__} in phase {step.phase}: {exc} "
+                                  "(IPUBUILD_VERBOSE=1 shows the traceback)")
             return TaskFailed(f"internal error in phase {step.phase} ({type(exc).__name__}: {exc}); "
                               "rerun with IPUBUILD_VERBOSE=1 for the traceback")
         return None
     return run
+
+
+def _plugin_in_traceback(ws: Workspace, exc: BaseException) -> str | None:
+    """The innermost frame's plugin (a registered third-party module or one of its
+    submodules), if the exception was raised in plugin code."""
+    names = [n for n, _ in ws.plugins.list_name_plugin() if not n.startswith("ipubuild.")]
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        mod = tb.tb_frame.f_globals.get("__name__", "")
+        hit = next((n for n in names if mod == n or mod.startswith(n.rpartition(".")[0] + ".")), None)
+        found = hit or found
+        tb = tb.tb_next
+    return found
 
 
 def step_task(ws: Workspace, step: Step) -> dict:
