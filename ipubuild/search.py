@@ -102,6 +102,9 @@ class Estimator:
         self.reg = registry()
         self.producer = {v: op for op in graph.ops for v in op.outputs}
         self.fixed = set(graph.constants) | set(graph.inputs)
+        self.const_keys = {f"v{v}" for v in graph.constants}
+        mem = machine["memory"]
+        self.cap = int((mem["loader_limit"] - mem["sram_base"]) * mem["constant_fraction"])
         self._lowered, self._terms = {}, {}
 
     def lowering(self, op, plan: int):
@@ -117,7 +120,19 @@ class Estimator:
         """Bytes through the busiest exchange port, summed over exchange phases."""
         return sum(self.term(op, layout)[1] for op in self.g.ops)
 
-    def term(self, op, layout) -> int:
+    def constant_load(self, layout: dict) -> collections.Counter:
+        """Bytes of constants (weights) each tile holds under this layout."""
+        load = collections.Counter()
+        for op in self.g.ops:
+            load.update(self.term(op, layout)[2])
+        return load
+
+    def fits(self, layout: dict) -> bool:
+        """Whether every tile's constants stay under the planning cap of tile memory."""
+        return max(self.constant_load(layout).values(), default=0) <= self.cap
+
+    def term(self, op, layout) -> tuple:
+        """(estimated cycles, busiest-port bytes, {tile: constant bytes}) of one operation."""
         choice = layout["ops"][str(op.id)]
         producers = sorted({self.producer[v].id for v in op.inputs if v not in self.fixed})
         key = (op.id, choice["plan"], choice["offset"],
@@ -126,7 +141,7 @@ class Estimator:
             self._terms[key] = self._compute(op, layout)
         return self._terms[key]
 
-    def _compute(self, op, layout) -> int:
+    def _compute(self, op, layout) -> tuple:
         stored = collections.defaultdict(Blocks)
         for v in op.inputs:
             if v in self.fixed:
@@ -139,12 +154,15 @@ class Estimator:
         choice = layout["ops"][str(op.id)]
         x, c = self.m["exchange"], self.m["compute"]
         total = pressure = 0
+        consts = collections.Counter()
         for stage in self.lowering(op, choice["plan"]).stages:
             send, recv, entries = collections.Counter(), collections.Counter(), collections.Counter()
             compute = collections.Counter()
             for w in stage:
                 tile = (choice["offset"] + w.tile) % self.T
                 for blk in w.reads:
+                    if blk[0] in self.const_keys:
+                        consts[tile] += (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._itemsize(blk[0])
                     if blk[0] not in stored or stored[blk[0]].exact(tile, blk[1:]) is not None:
                         continue
                     for src, _, _, (r0, r1, c0, c1) in stored[blk[0]].overlapping(blk[1:]):
@@ -160,7 +178,7 @@ class Estimator:
             pressure += port
             total += (ceil_div(port, x["bytes_per_cycle"]) + x["transfer_setup_cycles"] * max(entries.values(), default=0)
                       + max(compute.values(), default=0) + x["sync_cycles"])
-        return total, pressure
+        return total, pressure, dict(consts)
 
     def _itemsize(self, vk: str) -> int:
         return self.g.values[int(vk[1:])].itemsize if vk.startswith("v") else 4
@@ -399,22 +417,25 @@ SPREAD_FACTOR = 2
 def initial_layout(sc: SearchContext, found) -> dict:
     """Greedy: in program order, each operation takes the plan (among its default and up to
     INITIAL_PLANS_TRIED spread over its list) that the estimator finds cheapest given the
-    plans already chosen for its producers."""
+    plans already chosen for its producers, preferring plans that keep every tile's constants
+    under the cap."""
     layout = default_layout(sc.graph, sc.tile_count)
-    cursor = 0
+    cursor, load = 0, collections.Counter()
     for op in sc.graph.ops:
         n = len(sc.plans[op.id])
         tried = sorted({0, *(i * (n - 1) // max(1, INITIAL_PLANS_TRIED - 1) for i in range(INITIAL_PLANS_TRIED))})
         best = None
         for p in tried:
             layout["ops"][str(op.id)]["plan"] = p
-            cost = sc.estimator.term(op, layout)[0]
-            if best is None or cost < best[0]:
-                best = (cost, p)
-        layout["ops"][str(op.id)]["plan"] = best[1]
+            cost, _, consts = sc.estimator.term(op, layout)
+            over = any(load[t] + b > sc.estimator.cap for t, b in consts.items())
+            if best is None or (over, cost) < best[:2]:
+                best = (over, cost, p, consts)
+        layout["ops"][str(op.id)]["plan"] = best[2]
+        load.update(best[3])
         # on a machine much larger than the operation, give it fresh tiles (spreading code and
         # data over the machine); otherwise start where its first producer starts
-        used = len({w.tile for st in sc.estimator.lowering(op, best[1]).stages for w in st})
+        used = len({w.tile for st in sc.estimator.lowering(op, best[2]).stages for w in st})
         if used * SPREAD_FACTOR <= sc.tile_count:
             layout["ops"][str(op.id)]["offset"] = cursor
             cursor = (cursor + used) % sc.tile_count
@@ -432,7 +453,7 @@ def screen(proposals, incumbent, sc, visited, shortlist_size):
     seen, cheaper = set(), []
     for idx, ch in enumerate(proposals):
         layout = ch.apply(incumbent, sc.plans, sc.tile_count)
-        if layout is None:
+        if layout is None or not sc.estimator.fits(layout):
             counts["invalid"] += 1
             continue
         d = canonical.digest_of(layout)

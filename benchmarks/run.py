@@ -1,0 +1,543 @@
+#!/usr/bin/env python3
+"""ipubuild's performance harness.
+
+    python benchmarks/run.py [--repeats N] [--quick] [--out benchmarks/results/latest.json]
+
+Copies the repository's tracked files (``git ls-files``) into a scratch directory, then times
+``python -m doit build:<target>`` there, each build a subprocess (wall time by
+``time.perf_counter``) with its log parsed for the phase timings, the search figures and the
+numerical verdict. Measures, on ``targets/vit_fp8.toml``: a clean build (cold cache), a no-op
+rebuild, a warm-cache rebuild (artifacts and doit's database deleted, cache kept), a kernel body
+edit and a comment-only edit of ``ipubuild/kernels/matmul.c``; the layout search with 1 and 2
+workers; the simulator's run time against the host reference's; and, unless ``--quick``, a clean
+and a no-op build of the scale target ``benchmarks/targets/vit12_1472.toml``. Every figure is a
+median of repeats and every ratio is taken between figures of this one run (the machine is
+shared and noisy: compare ratios, not absolute times, across runs).
+
+Writes every raw sample, the medians and the ratios as JSON (``--out``) and prints a table.
+A build that fails, or that does not end with ``numericalTest=PASS``, stops the harness with a
+non-zero exit and a message naming the build; its log is saved next to the JSON.
+See benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MAIN_TARGET = "vit_fp8"
+SCALE_TARGET = "vit12_1472"
+SCALE_SOURCE = Path("benchmarks/targets") / f"{SCALE_TARGET}.toml"
+KERNEL = Path("ipubuild/kernels/matmul.c")
+SCHEMA = 1
+
+# log parsing ------------------------------------------------------------------------------------
+_EXECUTED = re.compile(r"^\.  (\S+)\s*$", re.M)
+_UP_TO_DATE = re.compile(r"^-- (\S+)\s*$", re.M)
+_PHASE = re.compile(r"^(?P<prefix>.*?)package build phase finished phase=\"(?P<phase>[^\"]+)\" "
+                    r"elapsed_ms=(?P<ms>\d+(?:\.\d+)?) success=(?P<success>\w+)(?P<rest>.*)$", re.M)
+_KV = re.compile(r"(\w+)=(\"[^\"]*\"|\S+)")
+_MEASURED = re.compile(r"measured local search round (?P<kv>.*)$", re.M)
+_SCREENED = re.compile(r"screened local search round (?P<kv>.*)$", re.M)
+_INCUMBENT = re.compile(r"validated search incumbent cycles=(?P<cycles>\d+) resuming=(?P<resuming>\w+)")
+_ACCEPTED = re.compile(r"accepted local layout improvement attempt=(?P<attempt>\d+) before=(?P<before>\d+) "
+                       r"after=(?P<after>\d+)")
+_FINAL = re.compile(r"^final_cycles=(?P<cycles>\d+)", re.M)
+_COSINE = re.compile(r"^referenceMinimumCosineSimilarity=(?P<v>\S+)", re.M)
+_VERDICT = re.compile(r"^referenceMaximumAbsoluteError=(?P<err>\S+) numericalTest=(?P<verdict>\w+)", re.M)
+_DEVICE = re.compile(r"deviceTest=(?P<v>\w+)")
+
+
+def _number(text: str):
+    text = text.strip('"')
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def parse_kv(text: str) -> dict:
+    """``a=1 b=2.5 c="x"`` as a dict of numbers (or strings)."""
+    return {k: _number(v) for k, v in _KV.findall(text)}
+
+
+def parse_tasks(log: str) -> dict:
+    """doit's task lines: ``.  task`` (executed) and ``-- task`` (up to date), in log order."""
+    return {"executed": _EXECUTED.findall(log), "up_to_date": _UP_TO_DATE.findall(log)}
+
+
+def parse_phases(log: str) -> list[dict]:
+    """Every ``package build phase finished`` line. ``top_level`` is false for the phases the
+    layout search runs inside ``plan_package`` (their log context nests two phase spans)."""
+    out = []
+    for m in _PHASE.finditer(log):
+        ms = m["ms"]
+        out.append({"phase": m["phase"], "elapsed_ms": float(ms) if "." in ms else int(ms),
+                    "success": m["success"] == "true", "cached": "cached=true" in m["rest"],
+                    "top_level": m["prefix"].count("ipubuild.phase{") <= 1})
+    return out
+
+
+def phase_ms(phases: list[dict], name: str) -> list:
+    """The elapsed_ms of the top-level runs of phase ``name``."""
+    return [p["elapsed_ms"] for p in phases if p["phase"] == name and p["top_level"]]
+
+
+def parse_search(log: str) -> dict:
+    """The layout search's figures: per-round screening and measurement, the validated initial
+    incumbent, the accepted improvements and the search's final cycles."""
+    screened = [parse_kv(m["kv"]) for m in _SCREENED.finditer(log)]
+    measured = [parse_kv(m["kv"]) for m in _MEASURED.finditer(log)]
+    inc = _INCUMBENT.search(log)
+    accepted = [{k: int(v) for k, v in m.groupdict().items()} for m in _ACCEPTED.finditer(log)]
+    initial = int(inc["cycles"]) if inc else None
+    final = accepted[-1]["after"] if accepted else initial
+    return {"screened": screened, "measured": measured, "rounds": len(measured),
+            "initial_cycles": initial, "resuming": (inc["resuming"] == "true") if inc else None,
+            "accepted": accepted, "final_cycles": final, "gain_pct": gain_pct(initial, final)}
+
+
+def parse_result(log: str) -> dict:
+    """The build's closing lines."""
+    fin, cos, ver, dev = _FINAL.search(log), _COSINE.search(log), _VERDICT.search(log), _DEVICE.search(log)
+    return {"final_cycles": int(fin["cycles"]) if fin else None,
+            "min_cosine": float(cos["v"]) if cos else None,
+            "max_abs_error": float(ver["err"]) if ver else None,
+            "numerical_test": ver["verdict"] if ver else None,
+            "device_test": dev["v"] if dev else None}
+
+
+def gain_pct(initial, final):
+    if not initial or final is None:
+        return None
+    return round(100.0 * (initial - final) / initial, 3)
+
+
+# statistics -------------------------------------------------------------------------------------
+def median(values):
+    """Median of the values that are not None (None if there are none)."""
+    xs = [v for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def ratio(num, den):
+    if num is None or den is None or den == 0:
+        return None
+    return num / den
+
+
+def paired_ratios(nums, dens) -> list:
+    """Per-repeat ratios of two equally long sample lists (repeat i over repeat i)."""
+    return [ratio(a, b) for a, b in zip(nums, dens)]
+
+
+def summarize(samples) -> dict:
+    xs = [v for v in samples if v is not None]
+    return {"n": len(xs), "median": median(xs), "min": min(xs) if xs else None,
+            "max": max(xs) if xs else None, "samples": list(samples)}
+
+
+def ratio_entry(nums, dens, what: str) -> dict:
+    """A ratio as the median of per-repeat ratios, plus the ratio of the medians."""
+    per = paired_ratios(nums, dens)
+    return {"what": what, "median": median(per), "of_medians": ratio(median(nums), median(dens)),
+            "samples": per}
+
+
+# the scratch tree and the builds ----------------------------------------------------------------
+class BuildFailed(Exception):
+    pass
+
+
+def progress(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def make_scratch(repo: Path, dest: Path) -> Path:
+    """Copy ``git ls-files`` of ``repo`` (their working-tree contents) into ``dest/tree``."""
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=repo, check=True, capture_output=True).stdout
+    tree = dest / "tree"
+    tree.mkdir(parents=True)
+    for rel in filter(None, files.decode().split("\0")):
+        src = repo / rel
+        if not src.is_file():   # deleted in the working tree, or a submodule
+            continue
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, tree / rel)
+    return tree
+
+
+class Bench:
+    def __init__(self, tree: Path, logs: Path, failed_dir: Path):
+        self.tree, self.logs, self.failed_dir = tree, logs, failed_dir
+        self.count = 0
+        env = dict(os.environ)
+        env.pop("IPUBUILD_CACHE_DIR", None)
+        env["PYTHONUNBUFFERED"] = "1"           # keeps doit's task lines and the logs in order
+        env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        # a private device lock: builds of other trees on this machine must not add waits
+        env["IPUBUILD_DEVICE_LOCK_DIR"] = str(logs)
+        self.env = env
+
+    # tree states
+    def clean_cache(self) -> None:
+        for name in (".ipubuild", "artifacts"):
+            shutil.rmtree(self.tree / name, ignore_errors=True)
+        self.remove_doit_db()
+
+    def remove_doit_db(self) -> None:
+        for p in self.tree.glob(".doit.db*"):
+            p.unlink()
+
+    def remove_artifacts(self) -> None:
+        shutil.rmtree(self.tree / "artifacts", ignore_errors=True)
+
+    def build(self, target: str, label: str) -> dict:
+        """Run ``python -m doit build:<target>`` in the scratch tree; time it, parse its log."""
+        self.count += 1
+        cmd = [sys.executable, "-m", "doit", f"build:{target}"]
+        log_path = self.logs / f"{self.count:03d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}.log"
+        t0 = time.perf_counter()
+        with open(log_path, "wb") as f:
+            proc = subprocess.run(cmd, cwd=self.tree, env=self.env, stdout=f, stderr=subprocess.STDOUT)
+        wall = time.perf_counter() - t0
+        log = log_path.read_text(errors="replace")
+        result = parse_result(log)
+        if proc.returncode != 0 or result["numerical_test"] != "PASS":
+            saved = self.failed_dir / f"failed-{log_path.name}"
+            self.failed_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log_path, saved)
+            tail = "\n".join(log.splitlines()[-15:])
+            why = (f"exited with status {proc.returncode}" if proc.returncode != 0
+                   else f"did not end with numericalTest=PASS (got {result['numerical_test']})")
+            raise BuildFailed(f"benchmark build failed: {label}: `{' '.join(cmd[1:])}` in {self.tree} {why}.\n"
+                              f"last lines of its log:\n{tail}\nfull log: {saved}")
+        phases = parse_phases(log)
+        tasks = parse_tasks(log)
+        progress(f"  {label}: {wall:.2f} s, {len(tasks['executed'])} task(s) executed")
+        return {"label": label, "wall_s": round(wall, 4), "returncode": proc.returncode, **result,
+                "executed": tasks["executed"], "executed_count": len(tasks["executed"]),
+                "up_to_date_count": len(tasks["up_to_date"]),
+                "cached_phases": sum(1 for p in phases if p["cached"] and p["top_level"]),
+                "compile_kernels_ms": sum(phase_ms(phases, "compile_kernels")),
+                "compile_kernels_runs": len(phase_ms(phases, "compile_kernels")),
+                "run_device_ms": _one(phase_ms(phases, "run_device")),
+                "evaluate_reference_ms": _one(phase_ms(phases, "evaluate_reference")),
+                "plan_package_ms": _one(phase_ms(phases, "plan_package")),
+                "search": parse_search(log), "log": log_path.name}
+
+
+def _one(values):
+    return values[-1] if values else None
+
+
+def set_search_workers(path: Path, workers: int) -> None:
+    """Set ``workers`` in the ``[search]`` table of a target file (adding it if absent)."""
+    lines = path.read_text().splitlines(keepends=True)
+    section, done, out = None, False, []
+    for line in lines:
+        s = line.strip()
+        if s.startswith("[") and s.endswith("]"):
+            if section == "search" and not done:
+                out.append(f"workers = {workers}\n")
+                done = True
+            section = s.strip("[]").strip()
+        elif section == "search" and re.match(r"workers\s*=", s):
+            line, done = f"workers = {workers}\n", True
+        out.append(line)
+    if not done:
+        if section != "search":
+            out.append("\n[search]\n")
+        out.append(f"workers = {workers}\n")
+    path.write_text("".join(out))
+
+
+# expectations: what a no-op or an edit build should execute ------------------------------------
+def unexpected_tasks(kind: str, executed: list[str], target: str) -> list[str]:
+    """Tasks executed that the README says this kind of build should not run."""
+    def ok(task: str) -> bool:
+        if task == f"build:{target}":
+            return True                        # always runs: prints the verdict (uptodate False)
+        if kind == "noop":
+            return False
+        if kind == "comment_edit":
+            return task.startswith("compile_kernels:matmul_")
+        if kind == "kernel_edit":
+            return (task.startswith("compile_kernels:matmul_") or task.startswith(f"build_tile_images:{target}/")
+                    or task in {f"{p}:{target}" for p in ("link_kernels", "write_package", "run_device",
+                                                           "check_numerics")})
+        return True
+    return [t for t in executed if not ok(t)]
+
+
+# machine information ----------------------------------------------------------------------------
+def _first_line(cmd, cwd=None) -> str | None:
+    try:
+        out = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    text = (out.stdout or out.stderr).strip()
+    return text.splitlines()[0] if text else None
+
+
+def machine_info() -> dict:
+    cc = os.environ.get("IPUBUILD_CC") or os.environ.get("CC") or "cc"
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = None
+    return {"nproc": _first_line(["nproc"]) or affinity, "cpu_count": os.cpu_count(),
+            "python": sys.version.split()[0], "python_executable": sys.executable,
+            "platform": platform.platform(), "cc": cc, "cc_version": _first_line([cc, "--version"]),
+            "git_commit": _first_line(["git", "rev-parse", "HEAD"], cwd=REPO),
+            "git_dirty": bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                             capture_output=True, text=True).stdout.strip()),
+            "loadavg_start": list(os.getloadavg())}
+
+
+# the measurements -------------------------------------------------------------------------------
+def run(args) -> dict:
+    repeats = 1 if args.quick else (args.repeats or 3)
+    scale_repeats = args.repeats or 1
+    started = time.perf_counter()
+    info = machine_info()
+    out_path = Path(args.out)
+    tmp = Path(tempfile.mkdtemp(prefix="ipubuild-bench-"))
+    try:
+        tree = make_scratch(REPO, tmp)
+        logs = tmp / "logs"
+        logs.mkdir()
+        b = Bench(tree, logs, out_path.parent)
+        if (tree / "targets" / f"{SCALE_TARGET}.toml").exists():
+            (tree / "targets" / f"{SCALE_TARGET}.toml").unlink()
+        target_file = tree / "targets" / f"{MAIN_TARGET}.toml"
+        target_text = target_file.read_text()
+        kernel_file = tree / KERNEL
+        kernel_text = kernel_file.read_text()
+        progress(f"scratch tree {tree} ({repeats} repeat(s){'' if args.quick else f', scale {scale_repeats}'})")
+
+        raw: dict[str, list] = {k: [] for k in ("clean", "noop", "warm", "kernel_edit", "comment_edit")}
+        for i in range(1, repeats + 1):
+            kernel_file.write_text(kernel_text)   # every repeat edits the same source
+            b.clean_cache()
+            progress(f"clean build {i}/{repeats} ...")
+            raw["clean"].append(b.build(MAIN_TARGET, f"clean {i}"))
+            progress(f"no-op rebuild {i}/{repeats} ...")
+            raw["noop"].append(b.build(MAIN_TARGET, f"noop {i}"))
+            b.remove_artifacts()
+            b.remove_doit_db()
+            progress(f"warm-cache rebuild {i}/{repeats} ...")
+            raw["warm"].append(b.build(MAIN_TARGET, f"warm {i}"))
+            with open(kernel_file, "a") as f:
+                f.write(f"\nint ipubuild_bench_probe_{i}(int x) {{ return 3 * x + {i}; }}\n")
+            progress(f"kernel body edit rebuild {i}/{repeats} ...")
+            raw["kernel_edit"].append(b.build(MAIN_TARGET, f"kernel edit {i}"))
+            with open(kernel_file, "a") as f:
+                f.write(f"/* bench {i} */\n")
+            progress(f"comment-only edit rebuild {i}/{repeats} ...")
+            raw["comment_edit"].append(b.build(MAIN_TARGET, f"comment edit {i}"))
+        kernel_file.write_text(kernel_text)
+
+        search: dict[str, list] = {}
+        for workers in (1, 2):
+            set_search_workers(target_file, workers)
+            search[str(workers)] = []
+            for i in range(1, repeats + 1):
+                b.clean_cache()
+                progress(f"search workers={workers} clean build {i}/{repeats} ...")
+                search[str(workers)].append(b.build(MAIN_TARGET, f"search w{workers} {i}"))
+        target_file.write_text(target_text)
+
+        scale: dict[str, list] = {"clean": [], "noop": []}
+        if not args.quick:
+            shutil.copy(REPO / SCALE_SOURCE, tree / "targets" / f"{SCALE_TARGET}.toml")
+            try:
+                for i in range(1, scale_repeats + 1):
+                    b.clean_cache()
+                    progress(f"scale clean build {i}/{scale_repeats} ({SCALE_TARGET}, a few minutes) ...")
+                    scale["clean"].append(b.build(SCALE_TARGET, f"scale clean {i}"))
+                    progress(f"scale no-op rebuild {i}/{scale_repeats} ...")
+                    scale["noop"].append(b.build(SCALE_TARGET, f"scale noop {i}"))
+            finally:
+                (tree / "targets" / f"{SCALE_TARGET}.toml").unlink()
+        b.clean_cache()
+    finally:
+        if not args.keep_scratch:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            progress(f"kept scratch tree and logs in {tmp}")
+
+    info["loadavg_end"] = list(os.getloadavg())
+    return assemble(info, args, repeats, scale_repeats, raw, search, scale,
+                    time.perf_counter() - started, str(tmp) if args.keep_scratch else None)
+
+
+def _wall(samples):
+    return [s["wall_s"] for s in samples]
+
+
+def search_summary(samples: list[dict]) -> dict:
+    rounds = [r for s in samples for r in s["search"]["measured"]]
+    hit_by_round: dict[int, list] = {}
+    for r in rounds:
+        hit_by_round.setdefault(r.get("round"), []).append(r.get("cache_hit_rate"))
+    return {
+        "runs": len(samples),
+        "rounds": median([s["search"]["rounds"] for s in samples]),
+        "proposals_per_s": median([r.get("proposals_per_s") for r in rounds]),
+        "evaluations_per_s": median([r.get("evaluations_per_s") for r in rounds]),
+        "cache_hit_rate_by_round": {str(k): median(v) for k, v in sorted(hit_by_round.items())},
+        "initial_cycles": median([s["search"]["initial_cycles"] for s in samples]),
+        "final_cycles": median([s["search"]["final_cycles"] for s in samples]),
+        "gain_pct": median([s["search"]["gain_pct"] for s in samples]),
+        "search_ms": median([s["plan_package_ms"] for s in samples]),
+        "build_wall_s": median(_wall(samples)),
+        "deterministic": len({(s["search"]["initial_cycles"], s["search"]["final_cycles"]) for s in samples}) <= 1,
+    }
+
+
+def assemble(info, args, repeats, scale_repeats, raw, search, scale, total_s, scratch) -> dict:
+    clean, noop, warm, kedit, cedit = (raw[k] for k in ("clean", "noop", "warm", "kernel_edit", "comment_edit"))
+    builds = {k: summarize(_wall(v)) for k, v in raw.items()}
+    kernel_cost = [ratio_sum(s["compile_kernels_ms"], s["run_device_ms"]) for s in kedit]
+    device = {"run_device_ms": summarize([s["run_device_ms"] for s in clean]),
+              "evaluate_reference_ms": summarize([s["evaluate_reference_ms"] for s in clean])}
+    ratios = {
+        "noop/clean": ratio_entry(_wall(noop), _wall(clean), "no-op rebuild wall / clean build wall"),
+        "warm/clean": ratio_entry(_wall(warm), _wall(clean), "warm-cache rebuild wall / clean build wall"),
+        "kernel_edit/(compile+device)": ratio_entry(
+            [w * 1000.0 for w in _wall(kedit)], kernel_cost,
+            "kernel edit rebuild wall / (its compile_kernels ms + its run_device ms), from the edit build's log"),
+        "simulator/reference": ratio_entry(
+            [s["run_device_ms"] for s in clean], [s["evaluate_reference_ms"] for s in clean],
+            "run_device ms / evaluate_reference ms, from the clean build's log"),
+    }
+    if scale["clean"]:
+        builds["scale_clean"] = summarize(_wall(scale["clean"]))
+        builds["scale_noop"] = summarize(_wall(scale["noop"]))
+        ratios["scale noop/clean"] = ratio_entry(_wall(scale["noop"]), _wall(scale["clean"]),
+                                                 f"{SCALE_TARGET} no-op wall / clean wall")
+    observations = []
+    for kind, samples in (("noop", noop), ("kernel_edit", kedit), ("comment_edit", cedit),
+                          ("scale_noop", scale["noop"])):
+        target = SCALE_TARGET if kind.startswith("scale") else MAIN_TARGET
+        for s in samples:
+            extra = unexpected_tasks(kind.removeprefix("scale_"), s["executed"], target)
+            if extra:
+                observations.append({"build": s["label"], "unexpected_executed": extra})
+    for s in clean + [x for v in search.values() for x in v]:
+        if s["search"]["resuming"]:
+            observations.append({"build": s["label"], "note": "search resumed from saved state in a clean build"})
+    return {
+        "schema": SCHEMA,
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+        "quick": bool(args.quick), "repeats": repeats, "scale_repeats": scale_repeats if scale["clean"] else 0,
+        "total_s": round(total_s, 1), "machine": info, "scratch": scratch,
+        "medians": {**{k: v["median"] for k, v in builds.items()},
+                    "kernel_edit_compile_ms": median([s["compile_kernels_ms"] for s in kedit]),
+                    "kernel_edit_device_ms": median([s["run_device_ms"] for s in kedit]),
+                    "comment_edit_compile_ms": median([s["compile_kernels_ms"] for s in cedit]),
+                    "run_device_ms": device["run_device_ms"]["median"],
+                    "evaluate_reference_ms": device["evaluate_reference_ms"]["median"]},
+        "builds": builds,
+        "device_vs_reference": device,
+        "search": {w: search_summary(v) for w, v in search.items()},
+        "ratios": ratios,
+        "observations": observations,
+        "raw": {**raw, "search": search, "scale": scale},
+    }
+
+
+def ratio_sum(a, b):
+    return None if a is None or b is None else a + b
+
+
+# the table --------------------------------------------------------------------------------------
+def _f(v, fmt="{:.3f}") -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, str):
+        return v
+    return fmt.format(v)
+
+
+def table(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"ipubuild benchmarks  {res['when']}  commit {str(m['git_commit'])[:10]}{' (dirty)' if m['git_dirty'] else ''}"
+             f"  nproc {m['nproc']}  python {m['python']}  {m['cc_version']}",
+             f"repeats {res['repeats']}  (medians; ratios are medians of per-repeat ratios)", ""]
+    names = {"clean": f"clean build ({MAIN_TARGET})", "noop": "no-op rebuild", "warm": "warm-cache rebuild",
+             "kernel_edit": "kernel body edit", "comment_edit": "comment-only edit",
+             "scale_clean": f"scale clean ({SCALE_TARGET})", "scale_noop": "scale no-op"}
+    lines.append(f"{'build':<30} {'n':>3} {'median s':>10} {'min s':>10} {'max s':>10}")
+    for k, v in res["builds"].items():
+        lines.append(f"{names.get(k, k):<30} {v['n']:>3} {_f(v['median']):>10} {_f(v['min']):>10} {_f(v['max']):>10}")
+    md = res["medians"]
+    lines += ["", f"{'kernel edit: compile_kernels ms':<36} {_f(md['kernel_edit_compile_ms'], '{:.0f}'):>10}",
+              f"{'kernel edit: run_device ms':<36} {_f(md['kernel_edit_device_ms'], '{:.0f}'):>10}",
+              f"{'comment edit: compile_kernels ms':<36} {_f(md['comment_edit_compile_ms'], '{:.0f}'):>10}",
+              f"{'clean: run_device ms (simulator)':<36} {_f(md['run_device_ms'], '{:.0f}'):>10}",
+              f"{'clean: evaluate_reference ms (host)':<36} {_f(md['evaluate_reference_ms'], '{:.0f}'):>10}", ""]
+    lines.append(f"{'search':<11} {'rounds':>6} {'prop/s':>9} {'eval/s':>7} {'hit rate by round':<20} "
+                 f"{'initial':>8} {'final':>8} {'gain %':>7} {'search ms':>9}")
+    for w, s in res["search"].items():
+        hits = " ".join(_f(v, "{:.2f}") for v in s["cache_hit_rate_by_round"].values()) or "-"
+        lines.append(f"{'workers=' + w:<11} {_f(s['rounds'], '{:g}'):>6} {_f(s['proposals_per_s'], '{:.0f}'):>9} "
+                     f"{_f(s['evaluations_per_s'], '{:.2f}'):>7} {hits:<20} {_f(s['initial_cycles'], '{:.0f}'):>8} "
+                     f"{_f(s['final_cycles'], '{:.0f}'):>8} {_f(s['gain_pct'], '{:.2f}'):>7} "
+                     f"{_f(s['search_ms'], '{:.0f}'):>9}")
+    lines += ["", f"{'ratio':<30} {'median':>8} {'of medians':>11}  per repeat"]
+    for k, r in res["ratios"].items():
+        per = " ".join(_f(x) for x in r["samples"])
+        lines.append(f"{k:<30} {_f(r['median']):>8} {_f(r['of_medians']):>11}  {per}")
+    if res["observations"]:
+        lines += ["", "observations:"]
+        for o in res["observations"]:
+            lines.append(f"  {o['build']}: " + (f"executed unexpectedly: {' '.join(o['unexpected_executed'])}"
+                                                if "unexpected_executed" in o else o["note"]))
+    lines += ["", f"total {res['total_s']} s; load average {m['loadavg_start'][0]:.2f} -> {m['loadavg_end'][0]:.2f}"]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="ipubuild's performance harness (see benchmarks/README.md)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="repeats of each measurement (default 3; also the scale builds' repeats, default 1)")
+    p.add_argument("--quick", action="store_true", help="one repeat of everything, no scale builds")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "latest.json"), help="JSON output path")
+    p.add_argument("--keep-scratch", action="store_true", help="keep the scratch tree and build logs")
+    args = p.parse_args(argv)
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    try:
+        res = run(args)
+    except BuildFailed as exc:
+        print(f"[bench] error: {exc}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(res, indent=1) + "\n")
+    tmp.replace(out)
+    print(table(res))
+    progress(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
