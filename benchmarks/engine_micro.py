@@ -78,7 +78,7 @@ def noop_1500(repeats: int = 5) -> dict:
         samples = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            p = subprocess.run(cmd, cwd=root, check=True, capture_output=True, text=True)
+            subprocess.run(cmd, cwd=root, check=True, capture_output=True)
             samples.append(time.perf_counter() - t0)
         return {"tasks": 1500, "clean_s": round(clean, 3), "noop_s": [round(s, 3) for s in samples],
                 "noop_median_s": round(statistics.median(samples), 3),

@@ -88,7 +88,7 @@ def target_steps(target: dict, kernels: list[str], artifacts: Path) -> list[Step
              {f"tile_kernels/{i}": a(f"tile_kernels/{i}") for i in tiles}, plan_spans,
              doc="bind each tile's kernel slots to the compiled objects"),
         step("size_tile_code", "size_tile_code", {"program": a("program"), "link_map": a("link_map"),
-                                                  "exchange_schedule": a("exchange_schedule"), "machine": machine},
+                                                  "exchange_schedule": a("exchange_schedule")},
              {"code_sizes": a("code_sizes")}, plan_spans),
         step("place_storage", "place_storage", {"program": a("program"), "code_sizes": a("code_sizes"), "machine": machine},
              {"storage": a("storage")}, plan_spans),

@@ -152,7 +152,7 @@ class Estimator:
                 for blk in w.writes:
                     stored[blk[0]].add((pc["offset"] + w.tile) % self.T, None, blk[1:])
         choice = layout["ops"][str(op.id)]
-        x, c = self.m["exchange"], self.m["compute"]
+        x = self.m["exchange"]
         total = pressure = 0
         consts = collections.Counter()
         for stage in self.lowering(op, choice["plan"]).stages:
@@ -283,7 +283,6 @@ def search_layout(ctx, graph) -> dict:
     from .planning.phases import machine_of
     machine = machine_of(ctx)
     sc = SearchContext(graph, tiles, machine)
-    est = sc.estimator
     base = {"graph": ctx.digest("graph"), "machine": ctx.digest("machine"), "runtime": ctx.digest("runtime"),
             **{k: d for k, d in ctx.input_digests.items() if k.startswith("reservation/")}}
     key = ctx.engine.action_key(ctx.phase, ctx.input_digests, ctx.config)
@@ -299,8 +298,7 @@ def search_layout(ctx, graph) -> dict:
             incumbent = state["incumbent"]
         else:
             incumbent = initial_layout(sc, found)
-        result = pool.map([(0, 0, incumbent)])[0] if cfg["workers"] == 1 else \
-            evaluate(ctx.engine, base, incumbent, ctx.config)
+        result = evaluate(ctx.engine, base, incumbent, ctx.config)
         if "invalid" in result:
             raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
         if resuming and result["cycles"] != state["cycles"]:
@@ -480,6 +478,4 @@ def _progress(text: str | None) -> None:
     if not sys.stderr.isatty():
         return
     sys.stderr.write("\r\033[K" + (text or ""))
-    if text is None:
-        sys.stderr.write("")
     sys.stderr.flush()

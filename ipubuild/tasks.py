@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import sys
 import traceback
 from pathlib import Path
 
@@ -53,7 +52,6 @@ class Reporter(ConsoleReporter):
     (``IPUBUILD_VERBOSE=1`` shows tracebacks)."""
 
     def add_failure(self, task, fail):
-        exc = fail.exception if hasattr(fail, "exception") else None
         if isinstance(fail, TaskFailed) and not os.environ.get("IPUBUILD_VERBOSE"):
             self._write(f"error: {fail.message}\n")
             self.failures.append({"task": task, "exception": fail, "one_line": True})
@@ -184,7 +182,6 @@ def load(dodo_file, *, extra_config: dict | None = None) -> dict:
         hold_build_lock(root)
         yield from _tasks(root)
 
-    task_ipubuild.create_doit_tasks = None
     config = {"backend": "sqlite3", "dep_file": str(root / ".doit.db"), "verbosity": 2,
               "reporter": Reporter, "default_tasks": [], **(extra_config or {})}
     return {"DOIT_CONFIG": config, "task_ipubuild": task_ipubuild}

@@ -44,7 +44,7 @@ TIMEOUT = 300
 def make_tree(path: Path, targets: dict[str, str] | None = None) -> Path:
     """A fresh tree at ``path`` with the repo's dodo.py and the given ``{name: toml text}``
     targets (default: the small target as ``small``)."""
-    path = Path(path)
+    path = Path(path).resolve()
     (path / "targets").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(ROOT / "dodo.py", path / "dodo.py")
     for name, text in (targets if targets is not None else {"small": SMALL}).items():

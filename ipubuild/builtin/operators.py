@@ -504,7 +504,7 @@ class AttentionContext(Operator):
         pv, qkv = (graph.values[i] for i in op.inputs)
         p, x = inputs
         h = op.attrs["heads"]
-        s, d = qkv.shape[0], qkv.shape[1] // 3
+        d = qkv.shape[1] // 3
         dh = d // h
         return [np.concatenate([_matmul_reference(p[i], pv, x[:, 2 * d + i * dh:2 * d + (i + 1) * dh], qkv)
                                 for i in range(h)], axis=1)]

@@ -20,8 +20,8 @@ from ..ir import Graph
 from ..kernels import compile_kernel, reserve, text_bytes
 from ..log import log
 from . import codegen, exchange, storage as mem
-from .cost import program_cost, step_compute
-from .program import build_program, default_layout, kernels_per_tile
+from .cost import program_cost
+from .program import build_program, kernels_per_tile
 
 OPS = ("ipubuild_operators",)
 FRONT = ("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies")
@@ -221,9 +221,9 @@ def link_kernels(ctx):
             for tile, info in ctx.json("link_map")["tiles"].items()}
 
 
-@phase("size_tile_code", inputs=("program", "link_map", "exchange_schedule", "machine"), outputs=("code_sizes",))
+@phase("size_tile_code", inputs=("program", "link_map", "exchange_schedule"), outputs=("code_sizes",))
 def size_tile_code(ctx):
-    program, link, sched, m = ctx.json("program"), ctx.json("link_map"), ctx.json("exchange_schedule"), machine_of(ctx)
+    program, link, sched = ctx.json("program"), ctx.json("link_map"), ctx.json("exchange_schedule")
     entries: dict[str, int] = {}
     for s in sched:
         for t in s["transfers"]:
