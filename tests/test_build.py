@@ -126,3 +126,20 @@ def test_kernel_loop_through_doit(tmp_path):
                "check_numerics:", "build:")
     assert all(t.startswith(allowed) for t in ran), [t for t in ran if not t.startswith(allowed)]
     assert (tree / "artifacts" / "small" / "small.ipuexe").read_bytes() != package
+
+
+def test_inplace_cast_storage_saves_memory_and_passes(tmp_path, monkeypatch):
+    """CastStoragePolicy { default: InPlace }: narrowing casts overwrite their input buffers."""
+    sizes = {}
+    for mode in ("separate", "inplace"):
+        tree = tmp_path / mode
+        small_tree(tree)
+        text = SMALL.replace("[search]\nrounds = 1", "[search]\nrounds = 0")
+        (tree / "targets" / "small.toml").write_text(text + f'\n[casts.storage]\ndefault = "{mode}"\n')
+        monkeypatch.chdir(tree)
+        out = build_in_process(tree, "targets/small.toml")
+        ws = Workspace.at(tree)
+        assert canonical.loads(ws.engine.fetch(out["small/verdict"]))["pass"]
+        program = canonical.loads(ws.engine.fetch(out["small/program"]))
+        sizes[mode] = sum(b["size"] for bufs in program["buffers"].values() for b in bufs.values())
+    assert sizes["inplace"] < sizes["separate"]

@@ -72,6 +72,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     input_bufs: dict[tuple, str] = {}
     temps: dict[str, tuple] = {}
     inputs, constants = set(graph.inputs), set(graph.constants)
+    consumers = graph.consumers()
     counter = [0]
 
     def vinfo(vk):
@@ -103,6 +104,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
             tile = (choice["offset"] + t) % tile_count
             return tile
 
+        inplace = _casts_in_place(graph, op, consumers)
         for stage_index, stage in enumerate(lowering.stages):
             s = len(steps)
             step = {"name": f"{op.name}#{stage_index}" if len(lowering.stages) > 1 else op.name,
@@ -143,7 +145,10 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                 for blk in work.writes:
                     vk, r0, r1, c0, c1 = blk
                     rows, cols, isz, name = vinfo(vk)
-                    bid = new_buf(tile, "o", (r1 - r0) * (c1 - c0) * isz, s, value=vk, block=list(blk[1:]))
+                    if inplace and not read_bufs[0].startswith(("c", "i")):
+                        bid = read_bufs[0]          # the cast overwrites its input's buffer
+                    else:
+                        bid = new_buf(tile, "o", (r1 - r0) * (c1 - c0) * isz, s, value=vk, block=list(blk[1:]))
                     stored[vk].add(tile, bid, (r0, r1, c0, c1))
                     write_bufs.append(bid)
                 verts = step["vertices"].setdefault(str(tile), [])
@@ -176,6 +181,17 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
         "outputs": outputs,
         "names": {**{f"v{vid}": v.name for vid, v in graph.values.items()}, **{t: t for t in temps}},
     }
+
+
+def _casts_in_place(graph: Graph, op, consumers) -> bool:
+    """A cast stores its output over its input when the cast storage policy says ``inplace``
+    for it, the cast narrows (the kernel then runs forward safely in place), and nothing else
+    reads the input."""
+    if op.type != "cast" or graph.cast_storage.for_site(op) != "inplace":
+        return False
+    src, dst = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+    return (dst.itemsize <= src.itemsize and len(consumers[src.id]) == 1
+            and src.id not in graph.outputs and src.id not in graph.inputs and src.id not in graph.constants)
 
 
 def _arg(a, reads, writes):
