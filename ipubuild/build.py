@@ -13,8 +13,8 @@ from .machine import MACHINES
 from .operators import registry
 from .pipeline import Step
 
-# importing registers the phases
-from . import device, package  # noqa: F401
+# importing registers the phases (the kernels package, imported above, registers compile_kernels)
+from . import device, frontend, package, reference  # noqa: F401
 from .planning import phases  # noqa: F401
 
 PLANNING = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 
+from . import tensors
+from .engine import phase
 from .errors import UserError
 from .ir import Graph
 
@@ -45,3 +47,14 @@ def build_model(pm, target: dict) -> Model:
     except ValueError as exc:
         raise UserError(f"{where}: model", str(exc)) from None
     return model
+
+
+@phase("lower_model", inputs=("target",), outputs=("graph", "params"),
+       config=("name", "path", "target.seed", "model", "casts"),
+       hooks=("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies"))
+def lower_model(ctx):
+    """The target's model as the FP8 graph the compiler plans, with its constants and inputs."""
+    from .plugins import get_plugin_manager
+    model = build_model(get_plugin_manager(), ctx.config)
+    arrays = {f"v{k}": v for k, v in {**model.constants, **model.inputs}.items()}
+    return {"graph": model.graph.to_bytes(), "params": tensors.pack(arrays)}

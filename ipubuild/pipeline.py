@@ -80,12 +80,25 @@ class Workspace:
                                     "plugins": self.plugins.fingerprints(ph.hooks) if ph.hooks else {},
                                     "config": config_subset(step.config, ph.config)})
 
+    def _spans(self, step: Step) -> tuple:
+        """The step's spans, with the build span's ``operations`` once its graph exists."""
+        if not step.spans or step.spans[0][0] != "build":
+            return step.spans
+        name, kv = step.spans[0]
+        ref = self.ref_path(f"{kv['target']}/graph")
+        if ref.exists():
+            try:
+                kv = dict(kv, operations=len(self.engine.decoded(ref.read_text().strip())["ops"]))
+            except Exception:  # noqa: BLE001 - a label only; the build reports real problems
+                pass
+        return ((name, kv),) + step.spans[1:]
+
     def execute(self, step: Step) -> Result:
         """Run a step: read input refs, run (or hit) its phase, write output refs and files."""
         inputs = {slot: self.read_ref(a) for slot, a in step.inputs.items()}
         for slot, path in step.sources.items():
             inputs[slot] = self.store.put(Path(path).read_bytes())
-        with _nested(step.spans + (("phase", {"phase": step.phase}),)):
+        with _nested(self._spans(step) + (("phase", {"phase": step.phase}),)):
             result = self.engine.run(step.phase, inputs, step.config)
             for slot, artifact in step.outputs.items():
                 if slot not in result.outputs:

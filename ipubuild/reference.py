@@ -6,6 +6,9 @@ import time
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from . import tensors
+from .artifacts import graph_of, params_of
+from .engine import phase
 from .ir import Graph
 from .log import log
 from .operators import registry
@@ -56,3 +59,16 @@ def timed_reference(graph, constants, inputs, threads):
     out = evaluate(graph, constants, inputs, threads=threads)
     log.info("evaluated host reference", elapsed_ms=int((time.perf_counter() - t0) * 1000))
     return out
+
+
+@phase("evaluate_reference", inputs=("graph", "params"), outputs=("reference",),
+       config=("numerics.blas_threads",), hooks=("ipubuild_operators",))
+def evaluate_reference(ctx):
+    """The graph's outputs computed on the host in device precision."""
+    g = graph_of(ctx)
+    t0 = time.perf_counter()
+    consts, inputs = params_of(ctx, g)
+    log.info("prepared reference inputs", elapsed_ms=int((time.perf_counter() - t0) * 1000))
+    log.plain("referencePrecision=device")
+    out = timed_reference(g, consts, inputs, ctx.config["numerics"]["blas_threads"])
+    return {"reference": tensors.pack({g.values[v].name: a for v, a in out.items()})}

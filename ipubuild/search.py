@@ -280,7 +280,7 @@ def _load(path: Path, key: str) -> dict | None:
 def search_layout(ctx, graph) -> dict:
     cfg = ctx.config["search"]
     tiles = ctx.config["target"]["tile_count"]
-    from .planning.phases import machine_of
+    from .artifacts import machine_of
     machine = machine_of(ctx)
     sc = SearchContext(graph, tiles, machine)
     base = {"graph": ctx.digest("graph"), "machine": ctx.digest("machine"), "runtime": ctx.digest("runtime"),

@@ -52,15 +52,28 @@ def make_tree(path: Path, targets: dict[str, str] | None = None) -> Path:
     return path
 
 
-def copy_ipubuild(tree: Path) -> Path:
-    """Copy the repo's ``ipubuild/`` package into the tree (without bytecode caches)."""
-    dest = Path(tree) / "ipubuild"
-    shutil.copytree(ROOT / "ipubuild", dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+def copy_ipubuild(dest_dir: Path, source: Path | None = None) -> Path:
+    """Copy the ``ipubuild/`` package (of the repo, or the one under ``source``) into
+    ``dest_dir`` (without bytecode caches); return the copy."""
+    dest = Path(dest_dir) / "ipubuild"
+    src = Path(source) / "ipubuild" if source is not None else ROOT / "ipubuild"
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".*.tmp"))
     return dest
 
 
+def snapshot(dest_dir: Path) -> dict:
+    """Copy the repo's ipubuild/ into ``dest_dir`` and return the environment that imports it.
+
+    Builds in a test then run one fixed version of the code even while someone edits the
+    working copy (an edit changes code fingerprints, and so which tasks a run executes).
+    """
+    copy_ipubuild(dest_dir)
+    return env(dest_dir)
+
+
 def env(tree: Path | None = None, **extra) -> dict:
-    """The environment for a doit subprocess; with ``tree``, the tree comes first on PYTHONPATH."""
+    """The environment for a doit subprocess; with ``tree``, ``tree`` comes first on PYTHONPATH
+    (a tree-local ``ipubuild/`` is then the one imported)."""
     e = dict(os.environ)
     for k in ("IPUBUILD_VERBOSE", "IPUBUILD_CACHE_DIR", "IPUBUILD_PLUGINS"):
         e.pop(k, None)

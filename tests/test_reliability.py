@@ -19,20 +19,30 @@ from pathlib import Path
 
 import pytest
 
-from ipubuild import canonical
 from ipubuild.store import Store
 
-from buildtree import (PLANNING_TASKS, ROOT, SMALL, assert_passed, copy_ipubuild, doit, env, make_tree,
-                       package, start)
+from buildtree import (PLANNING_TASKS, ROOT, assert_passed, copy_ipubuild, doit, env, make_tree, package,
+                       snapshot, start)
 
 NAME = "small"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> bytes:
+def code(tmp_path_factory) -> Path:
+    """A snapshot of ipubuild/ that every build of this module imports."""
+    return tmp_path_factory.mktemp("code")
+
+
+@pytest.fixture(scope="module")
+def environ(code) -> dict:
+    return snapshot(code)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, environ) -> bytes:
     """The small target's package from one clean build in its own tree."""
     tree = make_tree(tmp_path_factory.mktemp("reference"))
-    run = doit(tree, f"build:{NAME}")
+    run = doit(tree, f"build:{NAME}", environ=environ)
     assert_passed(run, NAME)
     return package(tree, NAME)
 
@@ -76,20 +86,20 @@ def _kill_group(p: subprocess.Popen) -> bool:
 # --- 1. kill -9 at seeded random moments --------------------------------------------------------
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_sigkill_at_random_moment_then_rebuild_gives_the_clean_package(tmp_path, reference, seed):
+def test_sigkill_at_random_moment_then_rebuild_gives_the_clean_package(tmp_path, environ, reference, seed):
     tree = make_tree(tmp_path / "tree")
     delay = random.Random(seed).uniform(0.3, 3.0)
-    p = start(tree, f"build:{NAME}", log=tmp_path / "killed.log")
+    p = start(tree, f"build:{NAME}", log=tmp_path / "killed.log", environ=environ)
     time.sleep(delay)
     killed = _kill_group(p)
     killed_log = (tmp_path / "killed.log").read_text()
 
-    run = doit(tree, f"build:{NAME}")
+    run = doit(tree, f"build:{NAME}", environ=environ)
     assert_passed(run, NAME)
     assert package(tree, NAME) == reference, f"killed={killed} after {delay:.2f} s"
     assert store_problems(tree) == [], f"killed={killed} after {delay:.2f} s:\n{killed_log[-2000:]}"
     # and the tree is settled: nothing but the closing task runs again
-    again = doit(tree, f"build:{NAME}")
+    again = doit(tree, f"build:{NAME}", environ=environ)
     assert again.returncode == 0, again.tail()
     assert again.executed == [f"build:{NAME}"], again.tail()
 
@@ -134,30 +144,33 @@ def _flip_row_blob(tree: Path, rng: random.Random) -> str:
     return key
 
 
-def _fetch_in_process(tree: Path, digest: str) -> bytes:
-    """Fetch a blob through a fresh in-process workspace (rebuilding it from its provenance)."""
-    import ipubuild.build  # noqa: F401  (registers the phases)
-    from ipubuild.pipeline import Workspace
-    cwd = os.getcwd()
-    os.chdir(tree)
-    ws = Workspace(tree)
-    try:
-        return ws.engine.fetch(digest)
-    finally:
-        ws.store.close()
-        os.chdir(cwd)
+FETCH = """
+import sys
+import ipubuild.build  # registers the phases
+from ipubuild.pipeline import Workspace
+ws = Workspace(".")
+data = ws.engine.fetch(sys.argv[1])
+ws.store.close()
+print("fetched", canonical.digest(data))
+"""
+
+
+def _fetch(tree: Path, digest: str, environ: dict) -> subprocess.CompletedProcess:
+    """Fetch a blob through the engine in a fresh process (rebuilding it from its provenance)."""
+    return subprocess.run([sys.executable, "-c", FETCH, digest], cwd=tree, env=environ, capture_output=True,
+                          text=True, timeout=300)
 
 
 @pytest.mark.parametrize("where,seed", [("file", 1), ("file", 2), ("row", 3)])
-def test_flipped_byte_in_a_cache_blob_is_dropped_and_rebuilt(tmp_path, reference, capsys, where, seed):
+def test_flipped_byte_in_a_cache_blob_is_dropped_and_rebuilt(tmp_path, environ, reference, where, seed):
     tree = make_tree(tmp_path / "tree")
-    assert_passed(doit(tree, f"build:{NAME}"), NAME)
+    assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
     rng = random.Random(seed)
     key = (_flip_file_blob if where == "file" else _flip_row_blob)(tree, rng)
     shutil.rmtree(tree / "artifacts")
     (tree / ".doit.db").unlink()
 
-    run = doit(tree, f"build:{NAME}")
+    run = doit(tree, f"build:{NAME}", environ=environ)
     assert_passed(run, NAME)
     assert package(tree, NAME) == reference
     logged = run.output
@@ -165,9 +178,10 @@ def test_flipped_byte_in_a_cache_blob_is_dropped_and_rebuilt(tmp_path, reference
         # The rebuild hit the action cache everywhere and never read this blob (only the
         # package, profile, trace, verdict and cost are read back). It is still there, corrupt:
         # the next read must drop it and rebuild it from its provenance.
-        data = _fetch_in_process(tree, key)
-        assert canonical.digest(data) == key
-        logged += capsys.readouterr().err
+        fetched = _fetch(tree, key, environ)
+        assert fetched.returncode == 0, fetched.stdout + fetched.stderr
+        assert fetched.stdout.split() == ["fetched", key], fetched.stdout + fetched.stderr
+        logged += fetched.stderr
         assert "rebuilding missing cache blob" in logged
     assert f"dropped corrupt cache blob digest={key[:16]}" in logged
     assert store_problems(tree) == []
@@ -176,11 +190,11 @@ def test_flipped_byte_in_a_cache_blob_is_dropped_and_rebuilt(tmp_path, reference
 # --- 3. two builds at once in one tree ----------------------------------------------------------
 
 @pytest.mark.parametrize("offset", [0.0, 0.8])
-def test_two_concurrent_builds_in_one_tree(tmp_path, reference, offset):
+def test_two_concurrent_builds_in_one_tree(tmp_path, environ, reference, offset):
     tree = make_tree(tmp_path / "tree")
-    a = start(tree, f"build:{NAME}", log=tmp_path / "a.log")
+    a = start(tree, f"build:{NAME}", log=tmp_path / "a.log", environ=environ)
     time.sleep(offset)
-    b = start(tree, f"build:{NAME}", log=tmp_path / "b.log")
+    b = start(tree, f"build:{NAME}", log=tmp_path / "b.log", environ=environ)
     try:
         ra, rb = a.wait(timeout=300), b.wait(timeout=300)
     finally:
@@ -199,7 +213,7 @@ def test_two_concurrent_builds_in_one_tree(tmp_path, reference, offset):
     finally:
         db.close()
     assert count > 0
-    third = doit(tree, f"build:{NAME}")
+    third = doit(tree, f"build:{NAME}", environ=environ)
     assert third.returncode == 0, third.tail()
     assert third.executed == [f"build:{NAME}"], third.tail()
     assert store_problems(tree) == []
@@ -207,11 +221,11 @@ def test_two_concurrent_builds_in_one_tree(tmp_path, reference, offset):
 
 # --- 4. reproducible packages of the real target ------------------------------------------------
 
-def test_two_clean_builds_of_vit_fp8_in_two_trees_are_byte_identical(tmp_path):
+def test_two_clean_builds_of_vit_fp8_in_two_trees_are_byte_identical(tmp_path, environ):
     text = (ROOT / "targets" / "vit_fp8.toml").read_text()
     trees = [make_tree(tmp_path / n, {"vit_fp8": text}) for n in ("one", "two")]
     # both at once: two cores, and the two trees must not disturb each other
-    procs = [start(t, "build:vit_fp8", log=t / "build.log") for t in trees]
+    procs = [start(t, "build:vit_fp8", log=t / "build.log", environ=environ) for t in trees]
     try:
         codes = [p.wait(timeout=600) for p in procs]
     finally:
@@ -228,10 +242,11 @@ def test_two_clean_builds_of_vit_fp8_in_two_trees_are_byte_identical(tmp_path):
 
 # --- 5./6. kernel edits in a tree-local copy of ipubuild ----------------------------------------
 
-def local_tree(path: Path) -> tuple[Path, dict]:
-    """A small tree with its own copy of ipubuild/, imported first by doit in it."""
+def local_tree(path: Path, code: Path) -> tuple[Path, dict]:
+    """A small tree with its own copy of ipubuild/ (of the module's snapshot), imported first by
+    doit in it."""
     tree = make_tree(path)
-    copy_ipubuild(tree)
+    copy_ipubuild(tree, source=code)
     environ = env(tree)
     where = subprocess.run([sys.executable, "-c", "import ipubuild; print(ipubuild.__file__)"], cwd=tree,
                            env=environ, capture_output=True, text=True, check=True).stdout.strip()
@@ -239,8 +254,8 @@ def local_tree(path: Path) -> tuple[Path, dict]:
     return tree, environ
 
 
-def test_kernel_compile_error_is_one_line_and_keeps_the_cache(tmp_path):
-    tree, environ = local_tree(tmp_path / "tree")
+def test_kernel_compile_error_is_one_line_and_keeps_the_cache(tmp_path, code):
+    tree, environ = local_tree(tmp_path / "tree", code)
     assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
     good = package(tree, NAME)
     src = tree / "ipubuild" / "kernels" / "matmul.c"
@@ -267,8 +282,8 @@ def test_kernel_compile_error_is_one_line_and_keeps_the_cache(tmp_path):
     assert store_problems(tree) == []
 
 
-def test_wrong_kernel_fails_the_numerical_test(tmp_path):
-    tree, environ = local_tree(tmp_path / "tree")
+def test_wrong_kernel_fails_the_numerical_test(tmp_path, code):
+    tree, environ = local_tree(tmp_path / "tree", code)
     src = tree / "ipubuild" / "kernels" / "gelu.c"
     original = src.read_text()
     # 0.5*x*(1 + tanh(...)) -> 0.5*x*(1 - tanh(...)): valid C, wrong GELU. (A milder change such as

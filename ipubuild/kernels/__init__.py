@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..artifacts import machine_of, to_json
+from ..engine import phase
 from ..errors import UserError
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -101,3 +103,18 @@ def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str
             raise UserError(f"kernel {name} ({where})", "compile failed: "
                             + first.replace(source_name, where).strip())
         return (Path(tmp) / "kernel.so").read_bytes()
+
+
+@phase("compile_kernels", inputs=("source", "header/*", "machine"), outputs=("object", "reservation", "code_size"),
+       config=("kernel", "compiler"))
+def compile_kernels(ctx):
+    """One kernel variant's shared object, its reservation and its exact code size."""
+    k, c = ctx.config["kernel"], ctx.config["compiler"]
+    headers = {name: ctx.engine.fetch(d) for name, d in ctx.family("header/").items()}
+    obj = compile_kernel(k["name"], k["source_name"], ctx.bytes("source"), headers, k["defines"],
+                         c["cc"], c["cflags"], k["where"])
+    code = text_bytes(obj)
+    quantum = machine_of(ctx)["code"]["reservation_quantum"]
+    # the reservation alone feeds planning: the exact size changes with every edit, it does not
+    return {"object": obj, "reservation": to_json({"reserved": reserve(code, quantum)}),
+            "code_size": to_json({"code_bytes": code})}

@@ -9,89 +9,21 @@ package. See ``docs/architecture.md`` for the picture.
 """
 from __future__ import annotations
 
-import functools
-import tomllib
-
 import numpy as np
 
-from .. import canonical, tensors
+from .. import tensors
+from ..artifacts import graph_of, machine_of, params_of, to_json as _json
 from ..engine import phase
-from ..ir import Graph
-from ..kernels import compile_kernel, reserve, text_bytes
 from ..log import log
 from . import codegen, exchange, storage as mem
 from .cost import program_cost
 from .program import build_program, kernels_per_tile
 
 OPS = ("ipubuild_operators",)
-FRONT = ("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies")
-
-
-@functools.lru_cache(maxsize=8)
-def _machine(data: bytes) -> dict:
-    return tomllib.loads(data.decode())
-
-
-def machine_of(ctx) -> dict:
-    return _machine(ctx.bytes("machine"))
-
-
-def graph_of(ctx) -> Graph:
-    return Graph.from_json(ctx.json("graph"))
-
-
-def _json(value) -> bytes:
-    return canonical.dumps(value)
-
-
-# front end -------------------------------------------------------------------------------------
-@phase("lower_model", inputs=("target",), outputs=("graph", "params"), config=("name", "path", "target.seed", "model", "casts"),
-       hooks=FRONT)
-def lower_model(ctx):
-    from ..frontend import build_model
-    from ..plugins import get_plugin_manager
-    model = build_model(get_plugin_manager(), ctx.config)
-    arrays = {f"v{k}": v for k, v in {**model.constants, **model.inputs}.items()}
-    return {"graph": model.graph.to_bytes(), "params": tensors.pack(arrays)}
-
-
-def params_of(ctx, graph: Graph):
-    arrays = tensors.unpack(ctx.bytes("params"))
-    consts = {v: arrays[f"v{v}"] for v in graph.constants}
-    inputs = {v: arrays[f"v{v}"] for v in graph.inputs}
-    return consts, inputs
-
-
-@phase("evaluate_reference", inputs=("graph", "params"), outputs=("reference",),
-       config=("numerics.blas_threads",), hooks=OPS)
-def evaluate_reference(ctx):
-    import time
-    from ..reference import timed_reference
-    g = graph_of(ctx)
-    t0 = time.perf_counter()
-    consts, inputs = params_of(ctx, g)
-    log.info("prepared reference inputs", elapsed_ms=int((time.perf_counter() - t0) * 1000))
-    log.plain("referencePrecision=device")
-    out = timed_reference(g, consts, inputs, ctx.config["numerics"]["blas_threads"])
-    return {"reference": tensors.pack({g.values[v].name: a for v, a in out.items()})}
-
-
-# kernels ---------------------------------------------------------------------------------------
-@phase("compile_kernels", inputs=("source", "header/*", "machine"), outputs=("object", "reservation", "code_size"),
-       config=("kernel", "compiler"))
-def compile_kernels(ctx):
-    k, c = ctx.config["kernel"], ctx.config["compiler"]
-    headers = {name: ctx.engine.fetch(d) for name, d in ctx.family("header/").items()}
-    obj = compile_kernel(k["name"], k["source_name"], ctx.bytes("source"), headers, k["defines"],
-                         c["cc"], c["cflags"], k["where"])
-    code = text_bytes(obj)
-    quantum = machine_of(ctx)["code"]["reservation_quantum"]
-    # the reservation alone feeds planning: the exact size changes with every edit, it does not
-    return {"object": obj, "reservation": _json({"reserved": reserve(code, quantum)}),
-            "code_size": _json({"code_bytes": code})}
 
 
 def reservations_of(ctx) -> dict[str, int]:
+    """Code bytes reserved for each kernel variant (the ``reservation/*`` inputs)."""
     return {name: ctx.engine.decoded(d)["reserved"] for name, d in ctx.family("reservation/").items()}
 
 
