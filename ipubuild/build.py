@@ -42,6 +42,12 @@ def kernel_steps(machine: str) -> list[Step]:
     return out
 
 
+def check_machine(target: dict) -> None:
+    """The target's machine description exists and parses (else a one-line error)."""
+    from .machine import load_machine
+    load_machine(target["target"]["machine"], where=f"{target['path']}: target.machine")
+
+
 def machine_step(machine: str) -> Step:
     return Step("machine", machine, "read_machine", outputs={"machine": f"machines/{machine}"},
                 sources={"file": MACHINES / f"{machine}.toml"}, doc=f"read the machine description {machine}")

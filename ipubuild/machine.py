@@ -11,12 +11,15 @@ MACHINES = Path(__file__).parent / "machines"
 
 
 @functools.lru_cache(maxsize=None)
-def load_machine(name: str) -> dict:
+def load_machine(name: str, where: str = "target.machine") -> dict:
     path = MACHINES / f"{name}.toml"
     if not path.is_file():
         known = ", ".join(sorted(p.stem for p in MACHINES.glob("*.toml")))
-        raise UserError("target.machine", f"unknown machine {name!r}; known: {known}")
-    return tomllib.loads(path.read_text())
+        raise UserError(where, f"unknown machine {name!r}; known: {known}")
+    try:
+        return tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(str(path), f"the machine description is not valid TOML: {exc}") from None
 
 
 def machine_bytes(name: str) -> bytes:

@@ -40,10 +40,11 @@ class Store:
                                     eviction_policy="none")
 
     # blobs ---------------------------------------------------------------------------------
-    def put(self, data: bytes) -> str:
-        """Store a blob (idempotent) and return its digest."""
+    def put(self, data: bytes, *, verify: bool = False) -> str:
+        """Store a blob (idempotent) and return its digest. With ``verify``, a stored copy is
+        read back and replaced if corrupt (for blobs no phase can rebuild, such as sources)."""
         key = canonical.digest(data)
-        if key not in self.blobs:
+        if key not in self.blobs or (verify and self.get(key) is None):
             self.blobs.set(key, bytes(data))
         return key
 

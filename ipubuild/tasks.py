@@ -187,8 +187,20 @@ def load(dodo_file, *, extra_config: dict | None = None) -> dict:
     return {"DOIT_CONFIG": config, "task_ipubuild": task_ipubuild}
 
 
+def _known_names(ws: Workspace) -> dict | None:
+    """Registered model families, cast policies and devices, to check targets when they load
+    (None if a plugin fails here: its error then surfaces in the phase that calls it)."""
+    pm = ws.plugins
+    try:
+        return {"family": sorted({f for fs in pm.call("ipubuild_model_families") for f in fs}),
+                "policy": sorted({n for d in pm.call("ipubuild_cast_policies") for n in d}),
+                "device": sorted({n for d in pm.call("ipubuild_device_backends") for n in d})}
+    except (UserError, TypeError):
+        return None
+
+
 def _tasks(root: Path):
-    from .build import kernel_steps, machine_step, target_steps
+    from .build import check_machine, kernel_steps, machine_step, target_steps
     from .targets import discover, load_target
     try:
         ws = Workspace.at(root)
@@ -198,10 +210,12 @@ def _tasks(root: Path):
     yield {"basename": "plugins", "actions": [_list_plugins(ws)], "uptodate": [False], "verbosity": 2,
            "doc": "list the loaded plugins, their versions and the hooks each implements"}
     seen_machines, kernels = set(), None
+    known = _known_names(ws)
     for path in discover(root):
         rel = os.path.relpath(path, root)
         try:
-            target = load_target(rel if Path(rel).resolve() == path.resolve() else path)
+            target = load_target(rel if Path(rel).resolve() == path.resolve() else path, known=known)
+            check_machine(target)
         except UserError as exc:
             yield {"basename": "build", "name": path.stem, "actions": [_broken(str(exc))],
                    "doc": f"build {path.stem} (the target file has an error)"}

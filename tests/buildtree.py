@@ -96,7 +96,7 @@ class Run:
     @property
     def executed(self) -> list[str]:
         """The tasks doit executed (its ``.  task`` lines; ``--`` lines are up to date)."""
-        return re.findall(r"^\.  (\S+)", self.stdout, re.M)
+        return re.findall(r"^\.  (\S+)", self.stdout, re.MULTILINE)
 
     @property
     def error_lines(self) -> list[str]:
@@ -122,12 +122,9 @@ def doit(tree: Path, *args: str, environ: dict | None = None, timeout: float = T
 
 def start(tree: Path, *args: str, log: Path, environ: dict | None = None) -> subprocess.Popen:
     """Start ``python -m doit <args>`` in its own process group, output to ``log``."""
-    f = open(log, "w")
-    try:
+    with open(log, "w") as f:
         return subprocess.Popen([sys.executable, "-m", "doit", *args], cwd=tree, stdout=f,
                                 stderr=subprocess.STDOUT, env=environ or env(), start_new_session=True)
-    finally:
-        f.close()
 
 
 def package(tree: Path, name: str) -> bytes:

@@ -66,22 +66,34 @@ def test_executed_and_up_to_date_tasks():
 
 def test_phase_finished_lines():
     phases = bench.parse_phases(LOG)
-    assert phases[0] == {"phase": "read_machine", "elapsed_ms": 0, "success": True, "cached": False, "top_level": True}
-    assert phases[2]["cached"] and phases[2]["elapsed_ms"] == 41
+    assert phases[0] == {"phase": "read_machine", "elapsed_ms": 0, "success": True, "cached": False,
+                         "task": "machine:ipu21", "own": True}
+    assert phases[2]["cached"] and phases[2]["elapsed_ms"] == 41 and phases[2]["task"] == "compile_kernels:matmul_f32_f32"
     assert bench.phase_ms(phases, "compile_kernels") == [59, 41]
     assert bench.phase_ms(phases, "evaluate_reference") == [33]
-    # the run_device line nested inside plan_package (a search evaluation) is not the device run
+    # the phases the search runs inside plan_package (here a run_device line) are not the build's own
     assert bench.phase_ms(phases, "run_device") == [590]
     assert bench.phase_ms(phases, "plan_package") == [5477]
-    nested = [p for p in phases if not p["top_level"]]
-    assert [p["phase"] for p in nested] == ["run_device", "place_storage"]
-    assert nested[1]["cached"]
+    inner = [p for p in phases if not p["own"]]
+    assert [(p["phase"], p["task"]) for p in inner] == [("run_device", "plan_package:vit_fp8"),
+                                                         ("place_storage", "plan_package:vit_fp8")]
+    assert inner[1]["cached"]
 
 
-def test_phase_line_without_context():
+def test_later_steps_nest_under_plan_package_span_but_are_their_own():
+    # steps after plan_package carry its span in their log context; they are still the task's phase
+    log = (".  size_tile_code:vit_fp8\n"
+           f'{T}{B}:ipubuild.phase{{phase="plan_package"}}:ipubuild.phase{{phase="size_tile_code"}}: '
+           'package build phase finished phase="size_tile_code" elapsed_ms=4 success=true cached=true\n')
+    [p] = bench.parse_phases(log)
+    assert p["own"] and p["cached"] and p["task"] == "size_tile_code:vit_fp8"
+    assert bench.phase_ms([p], "size_tile_code") == [4]
+
+
+def test_phase_line_without_task_lines():
     line = 'package build phase finished phase="x" elapsed_ms=7 success=false cached=true'
     assert bench.parse_phases(line) == [{"phase": "x", "elapsed_ms": 7, "success": False, "cached": True,
-                                         "top_level": True}]
+                                         "task": None, "own": True}]
 
 
 def test_search_rounds_and_cycles():
@@ -138,6 +150,7 @@ def test_search_summary_medians_over_rounds():
     assert s["proposals_per_s"] == pytest.approx(12040)   # median of the 6 rounds of both runs
     assert s["evaluations_per_s"] == pytest.approx(4.05)
     assert s["cache_hit_rate_by_round"] == {"1": 0.65, "2": 0.55, "3": 0.37}
+    assert s["proposals_per_s_by_round"] == {"1": 384, "2": 12040, "3": 12104}
     assert s["search_ms"] == pytest.approx(5738.5)
     assert s["gain_pct"] == pytest.approx(15.51, abs=0.01)
     assert s["deterministic"]

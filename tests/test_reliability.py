@@ -7,6 +7,7 @@ seconds); one test builds the real ``targets/vit_fp8.toml`` twice.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 import shutil
@@ -18,11 +19,20 @@ import time
 from pathlib import Path
 
 import pytest
+from buildtree import (
+    PLANNING_TASKS,
+    ROOT,
+    assert_passed,
+    copy_ipubuild,
+    doit,
+    env,
+    make_tree,
+    package,
+    snapshot,
+    start,
+)
 
 from ipubuild.store import Store
-
-from buildtree import (PLANNING_TASKS, ROOT, assert_passed, copy_ipubuild, doit, env, make_tree, package,
-                       snapshot, start)
 
 NAME = "small"
 
@@ -106,33 +116,37 @@ def test_sigkill_at_random_moment_then_rebuild_gives_the_clean_package(tmp_path,
 
 # --- 2. a corrupt cache blob ---------------------------------------------------------------------
 
-def _blob_rows(tree: Path) -> list[tuple[str, str | None]]:
-    """(digest, file name or None) of every blob row of the tree's diskcache."""
-    db = sqlite3.connect(tree / ".ipubuild" / "cache" / "cas" / "cache.db")
+CAS = Path(".ipubuild") / "cache" / "cas"
+
+
+def _blob_rows(tree: Path) -> dict[str, str | None]:
+    """{digest: file name under cas/, or None for a blob held in cache.db} for every blob."""
+    db = sqlite3.connect(tree / CAS / "cache.db")
     try:
-        return sorted(db.execute("select key, filename from Cache").fetchall())
+        return dict(db.execute("select key, filename from Cache").fetchall())
     finally:
         db.close()
 
 
-def _flip_file_blob(tree: Path, rng: random.Random) -> str:
-    """Flip one byte of a random ``*.val`` blob file; return its digest."""
-    rows = [(k, f) for k, f in _blob_rows(tree) if f]
-    assert rows, "no blob is stored as a file"
-    key, filename = rng.choice(rows)
-    path = tree / ".ipubuild" / "cache" / "cas" / filename
-    data = bytearray(path.read_bytes())
-    data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
-    path.write_bytes(bytes(data))
-    return key
+def _produced(tree: Path) -> set[str]:
+    """The digests of blobs some phase produced (those with a provenance record)."""
+    store = Store(tree / ".ipubuild" / "cache")
+    try:
+        return {k[len("prov:"):] for k in store.meta.iterkeys() if k.startswith("prov:")}
+    finally:
+        store.close()
 
 
-def _flip_row_blob(tree: Path, rng: random.Random) -> str:
-    """Flip one byte of a random blob held as a row of cache.db; return its digest."""
-    rows = [k for k, f in _blob_rows(tree) if not f]
-    assert rows, "no blob is stored in cache.db"
-    key = rng.choice(rows)
-    db = sqlite3.connect(tree / ".ipubuild" / "cache" / "cas" / "cache.db")
+def _flip(tree: Path, key: str, rng: random.Random) -> None:
+    """Flip one bit of the stored bytes of blob ``key``, a ``*.val`` file or a cache.db row."""
+    filename = _blob_rows(tree)[key]
+    if filename:
+        path = tree / CAS / filename
+        data = bytearray(path.read_bytes())
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        path.write_bytes(bytes(data))
+        return
+    db = sqlite3.connect(tree / CAS / "cache.db")
     try:
         (value,) = db.execute("select value from Cache where key = ?", (key,)).fetchone()
         data = bytearray(value)
@@ -141,32 +155,44 @@ def _flip_row_blob(tree: Path, rng: random.Random) -> str:
         db.commit()
     finally:
         db.close()
-    return key
+
+
+def _pick(tree: Path, where: str, rng: random.Random) -> str:
+    """A seeded random produced blob: a ``*.val`` file (``file``), a cache.db row (``row``), or
+    the package itself (``package``, which every rebuild reads back)."""
+    if where == "package":
+        return (tree / ".ipubuild" / "refs" / NAME / "package.ref").read_text().strip()
+    rows, produced = _blob_rows(tree), _produced(tree)
+    keys = sorted(k for k, f in rows.items() if k in produced and bool(f) == (where == "file"))
+    assert keys, f"no produced blob is stored as a {where}"
+    return rng.choice(keys)
 
 
 FETCH = """
+import hashlib
 import sys
 import ipubuild.build  # registers the phases
 from ipubuild.pipeline import Workspace
 ws = Workspace(".")
 data = ws.engine.fetch(sys.argv[1])
 ws.store.close()
-print("fetched", canonical.digest(data))
+print("fetched", hashlib.sha256(data).hexdigest())
 """
 
 
 def _fetch(tree: Path, digest: str, environ: dict) -> subprocess.CompletedProcess:
     """Fetch a blob through the engine in a fresh process (rebuilding it from its provenance)."""
     return subprocess.run([sys.executable, "-c", FETCH, digest], cwd=tree, env=environ, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, check=False)
 
 
-@pytest.mark.parametrize("where,seed", [("file", 1), ("file", 2), ("row", 3)])
+@pytest.mark.parametrize("where,seed", [("file", 1), ("file", 2), ("row", 3), ("package", 4)])
 def test_flipped_byte_in_a_cache_blob_is_dropped_and_rebuilt(tmp_path, environ, reference, where, seed):
     tree = make_tree(tmp_path / "tree")
     assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
     rng = random.Random(seed)
-    key = (_flip_file_blob if where == "file" else _flip_row_blob)(tree, rng)
+    key = _pick(tree, where, rng)
+    _flip(tree, key, rng)
     shutil.rmtree(tree / "artifacts")
     (tree / ".doit.db").unlink()
 
@@ -174,6 +200,8 @@ def test_flipped_byte_in_a_cache_blob_is_dropped_and_rebuilt(tmp_path, environ, 
     assert_passed(run, NAME)
     assert package(tree, NAME) == reference
     logged = run.output
+    if where == "package":
+        assert "dropped corrupt cache blob" in logged and "rebuilding missing cache blob" in logged, run.tail()
     if "dropped corrupt cache blob" not in logged:
         # The rebuild hit the action cache everywhere and never read this blob (only the
         # package, profile, trace, verdict and cost are read back). It is still there, corrupt:
@@ -185,6 +213,19 @@ def test_flipped_byte_in_a_cache_blob_is_dropped_and_rebuilt(tmp_path, environ, 
         assert "rebuilding missing cache blob" in logged
     assert f"dropped corrupt cache blob digest={key[:16]}" in logged
     assert store_problems(tree) == []
+
+
+def test_corrupt_source_blob_is_replaced_from_the_source_file(tmp_path, code, environ, reference):
+    tree = make_tree(tmp_path / "tree")
+    assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
+    source = (code / "ipubuild" / "kernels" / "matmul.c").read_bytes()
+    key = hashlib.sha256(source).hexdigest()
+    assert key in _blob_rows(tree) and key not in _produced(tree)
+    _flip(tree, key, random.Random(5))
+    # other compiler flags: every kernel compiles again and reads its source blob
+    flags = dict(environ, IPUBUILD_CFLAGS="-O1 -std=c11 -Wall -fPIC -shared")
+    run = doit(tree, f"build:{NAME}", environ=flags)
+    assert_passed(run, NAME)
 
 
 # --- 3. two builds at once in one tree ----------------------------------------------------------
@@ -204,6 +245,8 @@ def test_two_concurrent_builds_in_one_tree(tmp_path, environ, reference, offset)
     for n, rc in (("a", ra), ("b", rb)):
         assert rc == 0, f"build {n} exited {rc}\n{logs[n][-3000:]}"
         assert "numericalTest=PASS" in logs[n] and "Traceback" not in logs[n], logs[n][-3000:]
+    # the runs overlapped: one of them waited for the tree's build lock
+    assert any("waiting for another build in this tree" in text for text in logs.values())
     assert package(tree, NAME) == reference
 
     db = sqlite3.connect(tree / ".doit.db")
