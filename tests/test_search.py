@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from ipubuild import canonical
 from ipubuild.build import build_in_process

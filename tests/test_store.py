@@ -187,7 +187,7 @@ def test_values_are_stored_raw_not_pickled(store, tmp_path):
     marker = b"RAW-MARKER-\x00\x01-" + os.urandom(8).hex().encode()
     small_key = store.put(marker)
     big = marker * (BIG // len(marker) + 1)
-    big_key = store.put(big)
+    store.put(big)
     outs = {"slot": small_key}
     store.put_action("e" * 64, outs)
     store.put_provenance(small_key, {"phase": "raw-phase-marker"})
