@@ -2,7 +2,6 @@
 exchange copies exactly what the tables say, and the kernel developer's loop re-runs only what a
 kernel edit touches."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,30 +15,16 @@ from ipubuild.builtin.simulator import run_exchange
 from ipubuild.errors import UserError
 from ipubuild.pipeline import Workspace
 
+from buildtree import SMALL, copy_ipubuild, make_tree
+
 ROOT = Path(__file__).resolve().parent.parent
-SMALL = """
-[target]
-tile_count = 16
-[model]
-family = "vit"
-image_size = 64
-patch = 16
-width = 64
-heads = 2
-mlp = 128
-classes = 10
-[search]
-rounds = 1
-"""
+ONE_ROUND = SMALL.replace("rounds = 3", "rounds = 1")
 
 
-def small_tree(root: Path, with_ipubuild=False) -> Path:
-    (root / "targets").mkdir(parents=True)
-    (root / "targets" / "small.toml").write_text(SMALL)
-    shutil.copy(ROOT / "dodo.py", root / "dodo.py")
+def small_tree(root: Path, with_ipubuild=False, text=ONE_ROUND) -> Path:
+    make_tree(root, {"small": text})
     if with_ipubuild:
-        shutil.copytree(ROOT / "ipubuild", root / "ipubuild",
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        copy_ipubuild(root)
     return root
 
 
@@ -133,9 +118,8 @@ def test_inplace_cast_storage_saves_memory_and_passes(tmp_path, monkeypatch):
     sizes = {}
     for mode in ("separate", "inplace"):
         tree = tmp_path / mode
-        small_tree(tree)
-        text = SMALL.replace("[search]\nrounds = 1", "[search]\nrounds = 0")
-        (tree / "targets" / "small.toml").write_text(text + f'\n[casts.storage]\ndefault = "{mode}"\n')
+        text = SMALL.replace("rounds = 3", "rounds = 0") + f'\n[casts.storage]\ndefault = "{mode}"\n'
+        small_tree(tree, text=text)
         monkeypatch.chdir(tree)
         out = build_in_process(tree, "targets/small.toml")
         ws = Workspace.at(tree)

@@ -17,31 +17,12 @@ from ipubuild.plugins import get_plugin_manager
 from ipubuild.search import SearchContext, heuristics, initial_layout, screen
 from ipubuild.targets import load_target
 
+from buildtree import SMALL, make_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 
-SMALL = """
-[target]
-tile_count = 16
-[model]
-family = "vit"
-image_size = 64
-patch = 16
-width = 64
-heads = 2
-mlp = 128
-classes = 10
-[search]
-rounds = 3
-shortlist = 3
-workers = {workers}
-"""
-
-
-def small_tree(tmp_path, name="small", workers=2):
-    (tmp_path / "targets").mkdir(parents=True, exist_ok=True)
-    (tmp_path / "targets" / f"{name}.toml").write_text(SMALL.format(workers=workers))
-    (tmp_path / "dodo.py").write_text((ROOT / "dodo.py").read_text())
-    return tmp_path
+def small_tree(path, workers=2):
+    return make_tree(path, {"small": SMALL.replace("workers = 2", f"workers = {workers}")})
 
 
 def search_result(tmp_path, workers):

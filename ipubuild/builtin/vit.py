@@ -78,10 +78,9 @@ def ipubuild_model_families():
     return ["vit"]
 
 
-@hookimpl
-def ipubuild_build_model(family, params, seed, where):
-    if family != "vit":
-        return None
+def vit_params(params: dict, where: str) -> dict:
+    """The ``[model]`` table checked against SCHEMA (defaults filled in), with one-line errors
+    naming ``<where>: model.<key>``; front ends that build a ViT variant use it too."""
     p = check_table(params, SCHEMA, where, "model")
     if p["image_size"] % p["patch"]:
         raise UserError(f"{where}: model.patch", f"patch {p['patch']} does not divide image_size "
@@ -89,4 +88,11 @@ def ipubuild_build_model(family, params, seed, where):
     if p["width"] % p["heads"]:
         raise UserError(f"{where}: model.heads", f"heads {p['heads']} does not divide width "
                         f"{p['width']}; choose a divisor")
-    return build_vit(p, seed)
+    return p
+
+
+@hookimpl
+def ipubuild_build_model(family, params, seed, where):
+    if family != "vit":
+        return None
+    return build_vit(vit_params(params, where), seed)

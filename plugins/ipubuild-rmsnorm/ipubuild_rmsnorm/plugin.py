@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 
 from ipubuild import hookimpl
-from ipubuild.errors import UserError
 from ipubuild.operators import (KernelVariant, Lowering, Operator, TileWork, ceil_div, f32_bits,
                                 key, split)
 from ipubuild.search import Changes, Heuristic
@@ -98,16 +97,8 @@ def ipubuild_model_families():
 def ipubuild_build_model(family, params, seed, where):
     if family != "vit_rms":
         return None
-    from ipubuild.builtin.vit import SCHEMA, build_vit
-    from ipubuild.targets import check_table
-    p = check_table(params, SCHEMA, where, "model")
-    if p["image_size"] % p["patch"]:
-        raise UserError(f"{where}: model.patch", f"patch {p['patch']} does not divide image_size "
-                        f"{p['image_size']}; choose a divisor")
-    if p["width"] % p["heads"]:
-        raise UserError(f"{where}: model.heads", f"heads {p['heads']} does not divide width "
-                        f"{p['width']}; choose a divisor")
-    return build_vit(p, seed, norm=rms_norm)
+    from ipubuild.builtin.vit import build_vit, vit_params
+    return build_vit(vit_params(params, where), seed, norm=rms_norm)
 
 
 # the search heuristic --------------------------------------------------------------------------
