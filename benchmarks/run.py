@@ -81,20 +81,35 @@ def parse_tasks(log: str) -> dict:
 
 
 def parse_phases(log: str) -> list[dict]:
-    """Every ``package build phase finished`` line. ``top_level`` is false for the phases the
-    layout search runs inside ``plan_package`` (their log context nests two phase spans)."""
-    out = []
-    for m in _PHASE.finditer(log):
+    """Every ``package build phase finished`` line, with the doit task it ran under (the last
+    ``.  <task>`` line before it). ``own`` marks the task's own phase: the last such line of the
+    task. The other lines under a task are phases the layout search runs inside ``plan_package``
+    to evaluate candidates. Text without task lines counts every line as its own."""
+    out, current = [], None
+    for line in log.splitlines():
+        t = _EXECUTED.match(line)
+        if t:
+            current = t[1]
+            continue
+        m = _PHASE.match(line)
+        if not m:
+            continue
         ms = m["ms"]
         out.append({"phase": m["phase"], "elapsed_ms": float(ms) if "." in ms else int(ms),
                     "success": m["success"] == "true", "cached": "cached=true" in m["rest"],
-                    "top_level": m["prefix"].count("ipubuild.phase{") <= 1})
+                    "task": current, "own": current is None})
+    last: dict = {}
+    for i, p in enumerate(out):
+        if p["task"] is not None:
+            last[p["task"]] = i
+    for i in last.values():
+        out[i]["own"] = True
     return out
 
 
 def phase_ms(phases: list[dict], name: str) -> list:
-    """The elapsed_ms of the top-level runs of phase ``name``."""
-    return [p["elapsed_ms"] for p in phases if p["phase"] == name and p["top_level"]]
+    """The elapsed_ms of the tasks' own runs of phase ``name``."""
+    return [p["elapsed_ms"] for p in phases if p["phase"] == name and p["own"]]
 
 
 def parse_search(log: str) -> dict:
@@ -232,7 +247,8 @@ class Bench:
         return {"label": label, "wall_s": round(wall, 4), "returncode": proc.returncode, **result,
                 "executed": tasks["executed"], "executed_count": len(tasks["executed"]),
                 "up_to_date_count": len(tasks["up_to_date"]),
-                "cached_phases": sum(1 for p in phases if p["cached"] and p["top_level"]),
+                "cached_phases": sum(1 for p in phases if p["cached"] and p["own"]),
+                "uncached_phases": [p["task"] for p in phases if p["own"] and not p["cached"]],
                 "compile_kernels_ms": sum(phase_ms(phases, "compile_kernels")),
                 "compile_kernels_runs": len(phase_ms(phases, "compile_kernels")),
                 "run_device_ms": _one(phase_ms(phases, "run_device")),
@@ -393,13 +409,16 @@ def _wall(samples):
 def search_summary(samples: list[dict]) -> dict:
     rounds = [r for s in samples for r in s["search"]["measured"]]
     hit_by_round: dict[int, list] = {}
+    prop_by_round: dict[int, list] = {}
     for r in rounds:
         hit_by_round.setdefault(r.get("round"), []).append(r.get("cache_hit_rate"))
+        prop_by_round.setdefault(r.get("round"), []).append(r.get("proposals_per_s"))
     return {
         "runs": len(samples),
         "rounds": median([s["search"]["rounds"] for s in samples]),
         "proposals_per_s": median([r.get("proposals_per_s") for r in rounds]),
         "evaluations_per_s": median([r.get("evaluations_per_s") for r in rounds]),
+        "proposals_per_s_by_round": {str(k): median(v) for k, v in sorted(prop_by_round.items())},
         "cache_hit_rate_by_round": {str(k): median(v) for k, v in sorted(hit_by_round.items())},
         "initial_cycles": median([s["search"]["initial_cycles"] for s in samples]),
         "final_cycles": median([s["search"]["final_cycles"] for s in samples]),
@@ -439,6 +458,10 @@ def assemble(info, args, repeats, scale_repeats, raw, search, scale, total_s, sc
             extra = unexpected_tasks(kind.removeprefix("scale_"), s["executed"], target)
             if extra:
                 observations.append({"build": s["label"], "unexpected_executed": extra})
+    for s in warm:
+        if s["uncached_phases"]:
+            observations.append({"build": s["label"], "note": "warm-cache rebuild ran phases that were not cache hits: "
+                                 + " ".join(s["uncached_phases"])})
     for s in clean + [x for v in search.values() for x in v]:
         if s["search"]["resuming"]:
             observations.append({"build": s["label"], "note": "search resumed from saved state in a clean build"})
@@ -494,11 +517,13 @@ def table(res: dict) -> str:
               f"{'clean: run_device ms (simulator)':<36} {_f(md['run_device_ms'], '{:.0f}'):>10}",
               f"{'clean: evaluate_reference ms (host)':<36} {_f(md['evaluate_reference_ms'], '{:.0f}'):>10}", ""]
     lines.append(f"{'search':<11} {'rounds':>6} {'prop/s':>9} {'eval/s':>7} {'hit rate by round':<20} "
+                 f"{'prop/s by round':<20} "
                  f"{'initial':>8} {'final':>8} {'gain %':>7} {'search ms':>9}")
     for w, s in res["search"].items():
         hits = " ".join(_f(v, "{:.2f}") for v in s["cache_hit_rate_by_round"].values()) or "-"
+        props = " ".join(_f(v, "{:.0f}") for v in s["proposals_per_s_by_round"].values()) or "-"
         lines.append(f"{'workers=' + w:<11} {_f(s['rounds'], '{:g}'):>6} {_f(s['proposals_per_s'], '{:.0f}'):>9} "
-                     f"{_f(s['evaluations_per_s'], '{:.2f}'):>7} {hits:<20} {_f(s['initial_cycles'], '{:.0f}'):>8} "
+                     f"{_f(s['evaluations_per_s'], '{:.2f}'):>7} {hits:<20} {props:<20} {_f(s['initial_cycles'], '{:.0f}'):>8} "
                      f"{_f(s['final_cycles'], '{:.0f}'):>8} {_f(s['gain_pct'], '{:.2f}'):>7} "
                      f"{_f(s['search_ms'], '{:.0f}'):>9}")
     lines += ["", f"{'ratio':<30} {'median':>8} {'of medians':>11}  per repeat"]
