@@ -85,9 +85,11 @@ def record(name: str, start: float, end: float, args: dict | None = None) -> Non
                         "tid": threading.get_ident() % 100000, "args": args or {}})
 
 
-def write_trace(path) -> None:
-    """Write the trace events of this process as Chrome trace-event JSON (atomically)."""
+def write_trace(path, name: str = "build") -> None:
+    """Write the trace events of this process as Chrome trace-event JSON (atomically), under
+    one event ``name`` spanning the whole run."""
     from .files import write_atomic
     with _events_lock:
-        events = list(_events)
+        events = [{"name": name, "ph": "X", "ts": 0, "dur": round((time.perf_counter() - _T0) * 1e6, 1),
+                   "pid": os.getpid(), "tid": threading.get_ident() % 100000, "args": {}}] + list(_events)
     write_atomic(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}).encode())

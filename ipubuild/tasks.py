@@ -116,7 +116,7 @@ def _finish(ws: Workspace, target: dict):
         out = ws.artifacts / t
         rel = lambda p: os.path.relpath(p, ws.root)  # noqa: E731
         write_if_changed(out / f"{t}.resolved.toml", _resolved(target))
-        write_trace(out / "build.trace.json")
+        write_trace(out / "build.trace.json", f"doit build:{t}")
         log.plain(f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
                   f"lower_bound={cost['lower_bound']}")
         log.plain(f"profile={rel(out / f'{t}.profile.json')} tiles={verdict['tiles']} samples={verdict['samples']}")
