@@ -13,6 +13,7 @@ from ipubuild import canonical
 from ipubuild.build import build_in_process
 from ipubuild.builtin.simulator import run_exchange
 from ipubuild.errors import UserError
+from ipubuild.operators import registry
 from ipubuild.pipeline import Workspace
 
 from buildtree import SMALL, copy_ipubuild, make_tree
@@ -127,3 +128,23 @@ def test_inplace_cast_storage_saves_memory_and_passes(tmp_path, monkeypatch):
         program = canonical.loads(ws.engine.fetch(out["small/program"]))
         sizes[mode] = sum(b["size"] for bufs in program["buffers"].values() for b in bufs.values())
     assert sizes["inplace"] < sizes["separate"]
+
+
+def test_kernel_edit_rebuilds_only_the_images_of_tiles_that_run_it(tmp_path):
+    # on 64 tiles the small model's operations spread out, so not every tile runs every kernel
+    tree = small_tree(tmp_path, with_ipubuild=True, text=ONE_ROUND.replace("tile_count = 16", "tile_count = 64"))
+    rc, log = doit(tree, "build:small")
+    assert rc == 0, log[-3000:]
+    digest = (tree / ".ipubuild" / "refs" / "small" / "kernel_plan.ref").read_text().strip()
+    plan = Workspace.at(tree).engine.decoded(digest)["tiles"]
+    runs = {}
+    for tile, ks in plan.items():
+        for k in ks:
+            runs.setdefault(registry().kernels[k].source.name, set()).add(tile)
+    source, users = min(((src, ts) for src, ts in runs.items() if len(ts) < len(plan)), key=lambda kv: len(kv[1]))
+    kernel = tree / "ipubuild" / "kernels" / source
+    kernel.write_text(kernel.read_text() + "\nint ipubuild_probe(int x) { return 5 * x; }\n")
+    rc, log = doit(tree, "build:small")
+    assert rc == 0 and "numericalTest=PASS" in log, log[-3000:]
+    rebuilt = {t.rsplit("tile", 1)[1] for t in executed(log) if t.startswith("build_tile_images:small/tile")}
+    assert rebuilt == users
