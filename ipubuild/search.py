@@ -157,6 +157,7 @@ class Estimator:
         consts = collections.Counter()
         for stage in self.lowering(op, choice["plan"]).stages:
             send, recv, entries = collections.Counter(), collections.Counter(), collections.Counter()
+            local = collections.Counter()
             compute = collections.Counter()
             for w in stage:
                 tile = (choice["offset"] + w.tile) % self.T
@@ -165,18 +166,25 @@ class Estimator:
                         consts[tile] += (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._itemsize(blk[0])
                     if blk[0] not in stored or stored[blk[0]].exact(tile, blk[1:]) is not None:
                         continue
-                    for src, _, _, (r0, r1, c0, c1) in stored[blk[0]].overlapping(blk[1:]):
+                    for src, _, sblk, (r0, r1, c0, c1) in stored[blk[0]].overlapping(blk[1:]):
                         nbytes = (r1 - r0) * (c1 - c0) * self._itemsize(blk[0])
-                        send[src] += nbytes
-                        recv[tile] += nbytes
-                        entries[src] += 1
+                        # rows coalesce into one transfer only when they span both blocks' width
+                        rows = 1 if (c0, c1) == (sblk[2], sblk[3]) == (blk[3], blk[4]) else r1 - r0
+                        if src == tile:
+                            local[tile] += nbytes
+                        else:
+                            send[src] += nbytes
+                            recv[tile] += nbytes
+                        entries[src] += rows
                 compute[tile] += sum(vertex_cycles(k, a, self.m) for k, a in w.vertices)
             for w in stage:
                 for blk in w.writes:
                     stored[blk[0]].add((choice["offset"] + w.tile) % self.T, None, blk[1:])
             port = max([*send.values(), *recv.values(), 0])
             pressure += port
-            total += (ceil_div(port, x["bytes_per_cycle"]) + x["transfer_setup_cycles"] * max(entries.values(), default=0)
+            total += (max(ceil_div(port, x["bytes_per_cycle"]),
+                          ceil_div(max(local.values(), default=0), x["local_copy_bytes_per_cycle"]))
+                      + x["transfer_setup_cycles"] * max(entries.values(), default=0)
                       + max(compute.values(), default=0) + x["sync_cycles"])
         return total, pressure, dict(consts)
 
