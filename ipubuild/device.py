@@ -45,10 +45,8 @@ def device_ownership(name: str):
 
 def backends() -> dict:
     from .plugins import get_plugin_manager
-    out = {}
-    for declared in get_plugin_manager().call("ipubuild_device_backends"):
-        out.update(declared)
-    return out
+    return get_plugin_manager().collect("ipubuild_device_backends", callable,
+                                        "a dict of device names to backend factories", mapping=True)
 
 
 @phase("run_device", inputs=("package", "params", "graph"), outputs=("device_run", "profile", "trace"),

@@ -20,6 +20,15 @@ class Model:
     inputs: dict[int, np.ndarray]
 
 
+def model_families(pm) -> list[str]:
+    return sorted({f for _, f in pm.collect("ipubuild_model_families", lambda f: isinstance(f, str),
+                                             "a list of model family names")})
+
+
+def cast_policies(pm) -> dict:
+    return pm.collect("ipubuild_cast_policies", callable, "a dict of policy names to callables", mapping=True)
+
+
 def build_model(pm, target: dict) -> Model:
     """Run the target's model builder and cast policy: the graph the compiler plans."""
     where = target.get("path", target.get("name", "target"))
@@ -28,14 +37,12 @@ def build_model(pm, target: dict) -> Model:
     model = pm.call("ipubuild_build_model", family=family, params=params,
                     seed=target["target"]["seed"], where=where)
     if model is None:
-        families = sorted({f for fs in pm.call("ipubuild_model_families") for f in fs})
+        families = model_families(pm)
         raise UserError(f"{where}: model.family", f"unknown model family {family!r}; known: "
                         f"{', '.join(families)}")
     if not isinstance(model, Model):
         raise UserError(f"model family {family}", "ipubuild_build_model must return ipubuild.frontend.Model")
-    policies = {}
-    for declared in pm.call("ipubuild_cast_policies"):
-        policies.update(declared)
+    policies = cast_policies(pm)
     name = target["casts"]["policy"]
     if name not in policies:
         raise UserError(f"{where}: casts.policy", f"unknown cast policy {name!r}; known: "

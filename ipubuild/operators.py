@@ -129,22 +129,13 @@ class Registry:
 @functools.lru_cache(maxsize=None)
 def _registry(pm) -> Registry:
     operators, owners = [], {}
-    hook = pm.hook.ipubuild_operators
-    for impl in reversed(hook.get_hookimpls()):
-        try:
-            declared = impl.function()
-        except Exception as exc:  # noqa: BLE001
-            raise UserError(f"plugin {impl.plugin_name}",
-                            f"hook ipubuild_operators raised {type(exc).__name__}: {exc}") from None
-        if not isinstance(declared, (list, tuple)) or not all(isinstance(o, Operator) for o in declared):
-            raise UserError(f"plugin {impl.plugin_name}",
-                            "hook ipubuild_operators must return a list of ipubuild.operators.Operator")
-        for o in declared:
-            if o.name in owners:
-                raise UserError(f"plugin {impl.plugin_name}", f"hook ipubuild_operators: operator "
-                                f"{o.name!r} is already registered by {owners[o.name]}")
-            owners[o.name] = impl.plugin_name
-            operators.append(o)
+    for plugin, o in pm.collect("ipubuild_operators", lambda o: isinstance(o, Operator),
+                                "a list of ipubuild.operators.Operator"):
+        if o.name in owners:
+            raise UserError(f"plugin {plugin}", f"hook ipubuild_operators: operator "
+                            f"{o.name!r} is already registered by {owners[o.name]}")
+        owners[o.name] = plugin
+        operators.append(o)
     return Registry(operators, owners)
 
 

@@ -76,6 +76,40 @@ class PluginManager(pluggy.PluginManager):
                 out[name] = f"{dist}=={version}:{code_fingerprint(name)}"
         return dict(sorted(out.items()))
 
+    def collect(self, hook: str, check, expected: str, *, mapping: bool = False):
+        """Every plugin's result of a registration hook (one without arguments), checked.
+
+        List hooks give ``[(plugin, item), ...]``; mapping hooks (``mapping=True``) a merged
+        ``{name: item}`` in which a name declared twice is an error naming both plugins. A
+        plugin that raises, or returns something that is not a list (dict) of items passing
+        ``check``, is named in a one-line error with the hook and ``expected``.
+        """
+        out: list | dict = {} if mapping else []
+        owners: dict[str, str] = {}
+        for impl in sorted(getattr(self.hook, hook).get_hookimpls(), key=lambda i: i.plugin_name):
+            try:
+                got = impl.function()
+            except UserError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                raise UserError(f"plugin {impl.plugin_name}",
+                                f"hook {hook} raised {type(exc).__name__}: {exc}") from None
+            items = got.items() if mapping and isinstance(got, dict) else got
+            shape_ok = isinstance(got, dict) if mapping else isinstance(got, (list, tuple))
+            if not shape_ok or not all(check(v[1] if mapping else v) and (not mapping or isinstance(v[0], str))
+                                       for v in items):
+                raise UserError(f"plugin {impl.plugin_name}", f"hook {hook} must return {expected}")
+            if not mapping:
+                out.extend((impl.plugin_name, v) for v in got)
+                continue
+            for name, value in got.items():
+                if name in owners:
+                    raise UserError(f"plugin {impl.plugin_name}", f"hook {hook}: {name!r} is already "
+                                    f"registered by {owners[name]}")
+                owners[name] = impl.plugin_name
+                out[name] = value
+        return out
+
     def call(self, hook: str, **kwargs):
         """Call a hook; a plugin that raises is named with the hook in a one-line error."""
         caller = getattr(self.hook, hook)

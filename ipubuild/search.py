@@ -253,12 +253,9 @@ class Pool:
 # the search ------------------------------------------------------------------------------------
 def heuristics() -> list[Heuristic]:
     from .plugins import get_plugin_manager
-    out = []
-    for declared in get_plugin_manager().call("ipubuild_search_heuristics"):
-        if not isinstance(declared, (list, tuple)) or not all(isinstance(h, Heuristic) for h in declared):
-            raise UserError("plugin", "ipubuild_search_heuristics must return a list of ipubuild.search.Heuristic")
-        out.extend(declared)
-    return sorted(out, key=lambda h: h.name)
+    found = get_plugin_manager().collect("ipubuild_search_heuristics", lambda h: isinstance(h, Heuristic),
+                                         "a list of ipubuild.search.Heuristic")
+    return sorted((h for _, h in found), key=lambda h: h.name)
 
 
 def state_path(ctx) -> Path:

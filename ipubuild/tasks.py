@@ -190,12 +190,12 @@ def load(dodo_file, *, extra_config: dict | None = None) -> dict:
 def _known_names(ws: Workspace) -> dict | None:
     """Registered model families, cast policies and devices, to check targets when they load
     (None if a plugin fails here: its error then surfaces in the phase that calls it)."""
-    pm = ws.plugins
+    from .device import backends
+    from .frontend import cast_policies, model_families
     try:
-        return {"family": sorted({f for fs in pm.call("ipubuild_model_families") for f in fs}),
-                "policy": sorted({n for d in pm.call("ipubuild_cast_policies") for n in d}),
-                "device": sorted({n for d in pm.call("ipubuild_device_backends") for n in d})}
-    except (UserError, TypeError):
+        return {"family": model_families(ws.plugins), "policy": sorted(cast_policies(ws.plugins)),
+                "device": sorted(backends())}
+    except UserError:
         return None
 
 
