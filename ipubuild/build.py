@@ -1,6 +1,6 @@
 """A target's build as steps: the compiler's phases wired over named artifacts.
 
-``steps_for`` is the single description of a build; doit tasks (``ipubuild.tasks``) and the
+``target_steps`` (with ``kernel_steps`` and ``machine_step``) is the single description of a build; doit tasks (``ipubuild.tasks``) and the
 in-process runner both use it. Artifact names are ``<target>/<name>`` (or ``kernels/<variant>/…``
 for what targets share).
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .errors import UserError
 from .kernels import compiler, compiler_identity, included_headers
 from .machine import MACHINES
 from .operators import registry
@@ -17,11 +18,6 @@ from .pipeline import Step
 from . import device, frontend, package, reference  # noqa: F401
 from .planning import phases  # noqa: F401
 
-PLANNING = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
-            "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement",
-            "prepare_tile_code", "emit_tile_code")
-
-
 def kernel_steps(machine: str) -> list[Step]:
     """One compile step per kernel variant known to the operator registry."""
     cc, cflags = compiler()
@@ -29,6 +25,9 @@ def kernel_steps(machine: str) -> list[Step]:
     out = []
     for name, kv in sorted(registry().kernels.items()):
         source = Path(kv.source)
+        if not source.is_file():
+            raise UserError(f"kernel {name}", f"its source {source} does not exist; reinstall the plugin "
+                            "that declares it")
         headers = {f"header/{h.name}": h for h in included_headers(source)}
         out.append(Step("compile_kernels", name, "compile_kernels",
                         inputs={"machine": f"machines/{machine}"},
@@ -36,7 +35,7 @@ def kernel_steps(machine: str) -> list[Step]:
                                  "code_size": f"kernels/{name}/code_size"},
                         sources={"source": source, **headers},
                         config={"kernel": {"name": name, "source_name": source.name, "defines": [list(d) for d in kv.defines],
-                                           "where": _short(source)},
+                                           "where": _in_package(source)},
                                 "compiler": {"cc": cc, "cflags": cflags, "identity": ident}},
                         doc=f"compile kernel variant {name} from {_short(source)}"))
     return out
@@ -51,6 +50,16 @@ def check_machine(target: dict) -> None:
 def machine_step(machine: str) -> Step:
     return Step("machine", machine, "read_machine", outputs={"machine": f"machines/{machine}"},
                 sources={"file": MACHINES / f"{machine}.toml"}, doc=f"read the machine description {machine}")
+
+
+def _in_package(source: Path) -> str:
+    """``source`` relative to the folder holding its top-level Python package, e.g.
+    ``ipubuild/kernels/matmul.c``: meaningful in messages, and the same in every checkout (it
+    enters the compile's action key)."""
+    top = source.parent
+    while (top.parent / "__init__.py").exists():
+        top = top.parent
+    return str(source.relative_to(top.parent))
 
 
 def _short(path: Path) -> str:
@@ -120,7 +129,7 @@ def target_steps(target: dict, kernels: list[str], artifacts: Path) -> list[Step
         step("build_tile_images", "build_idle_image", {}, {"image": a("image/idle")}, plan_spans, name=f"{t}/idle"),
         step("write_package", "write_package",
              {**{f"image/{i}": a(f"image/{i}") for i in tiles}, "idle_image": a("image/idle"), **obj,
-              "host_program": a("host_program"), "graph": a("graph"), "machine": machine},
+              "host_program": a("host_program"), "machine": machine},
              {"package": a("package")}, files={"package": artifacts / t / f"{t}.ipuexe"}),
         step("evaluate_reference", "evaluate_reference", {"graph": a("graph"), "params": a("params")},
              {"reference": a("reference")}),

@@ -34,13 +34,13 @@ def device_ownership(name: str):
     """Hold the device's lock file for the duration (``$IPUBUILD_DEVICE_LOCK_DIR`` or /tmp)."""
     path = Path(os.environ.get("IPUBUILD_DEVICE_LOCK_DIR") or tempfile.gettempdir()) / f"ipubuild-{name}-device.lock"
     log.info("waiting for hardware ownership", path=path)
-    with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)   # read-only: another user's lock file works too
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         log.info("acquired hardware ownership", path=path)
-        try:
-            yield path
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+        yield path
+    finally:
+        os.close(fd)
 
 
 def backends() -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import threading
 import time
 from typing import Callable
@@ -40,6 +41,21 @@ class Phase:
 
 
 PHASES: dict[str, Phase] = {}
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain() -> dict:
+    """The Python-side toolchain every phase runs on: part of every action key, so that an
+    upgrade of Python, numpy or ml_dtypes never gives a stale hit."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+    out = {"python": platform.python_version()}
+    for dist in ("numpy", "ml-dtypes", "pluggy"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = None
+    return out
 
 
 def phase(name: str, inputs=(), outputs=(), config=(), hooks=()):
@@ -102,7 +118,7 @@ class Engine:
 
     def action_key(self, ph: Phase, inputs: dict[str, str], config: dict) -> str:
         return canonical.digest_of({
-            "phase": ph.name, "code": ph.code,
+            "phase": ph.name, "code": ph.code, "toolchain": toolchain(),
             "plugins": self.plugin_fingerprints(ph.hooks) if ph.hooks else {},
             "inputs": inputs, "config": config_subset(config, ph.config)})
 
@@ -120,7 +136,8 @@ class Engine:
                 self.stats["hit"] += 1
                 return Result(recorded, True, int((time.perf_counter() - t0) * 1000), key)
         self.stats["miss"] += 1
-        blobs = ph.fn(Context(self, ph, inputs, config))
+        # the phase sees only the configuration it declared: an undeclared read fails at once
+        blobs = ph.fn(Context(self, ph, inputs, _unflatten(config_subset(config, ph.config))))
         outputs = {}
         subset = config_subset(config, ph.config)
         for out_name, data in sorted(blobs.items()):

@@ -1,6 +1,6 @@
 """The plugin contract of ipubuild: every hook a plugin may implement, documented where declared.
 
-A plugin is a module (or object) with functions named like the hooks below, decorated with
+A plugin is a module with functions named like the hooks below, decorated with
 ``ipubuild.hookimpl``, and announced through the ``ipubuild`` entry-point group::
 
     [project.entry-points.ipubuild]
@@ -11,9 +11,11 @@ policies, the search heuristics, the simulator device) are plugins registered th
 A plugin's distribution name, version and code fingerprint enter the action keys of the phases
 that call its hooks, so installing, upgrading or editing it re-runs exactly those phases.
 
-Registration hooks (``ipubuild_operators`` and friends) are called once per process; every
-plugin's result is collected (pluggy returns a list). A hook that raises, or returns something
-malformed, is reported as a one-line error naming the plugin and the hook.
+Registration hooks (``ipubuild_operators`` and friends) take no arguments and must give the
+same answer every time they are called (ipubuild may call them in several phases and
+processes); every plugin's result is collected. A hook that raises, or returns something
+malformed, or declares a name another plugin already declared, is reported as a one-line error
+naming the plugin and the hook.
 """
 import pluggy
 
@@ -41,7 +43,7 @@ def ipubuild_build_model(family: str, params: dict, seed: int, where: str):
     Called by the ``lower_model`` phase with the target's ``[model]`` table (``params``, without
     ``family``), its ``seed`` and ``where`` (the target file, for error messages). Return a
     :class:`ipubuild.frontend.Model`: the float32 :class:`ipubuild.ir.Graph` before casts, its
-    constants (name -> numpy array) and deterministic example inputs. Raise
+    constants and its deterministic example inputs (each ``{value id: numpy array}``). Raise
     ``ipubuild.errors.UserError(where + ": model.<key>", ...)`` for a bad parameter. The first
     non-None result wins.
     """
@@ -49,7 +51,11 @@ def ipubuild_build_model(family: str, params: dict, seed: int, where: str):
 
 @hookspec
 def ipubuild_model_families():
-    """Return the model family names this plugin builds (for listings and error messages)."""
+    """Return the list of model family names this plugin builds.
+
+    Required of every plugin that implements ``ipubuild_build_model``: a target whose
+    ``model.family`` no plugin lists is rejected when it loads, with the known names.
+    """
 
 
 @hookspec
@@ -80,7 +86,11 @@ def ipubuild_search_heuristics():
 def ipubuild_device_backends():
     """Declare device backends.
 
-    Return ``{name: factory}``; ``factory()`` gives an object with ``run(package_path, inputs,
-    workdir) -> DeviceRun`` (outputs by name, a profile, log lines). The target's
-    ``[target] device`` names the one used. All results are merged.
+    Return ``{name: factory}``; ``factory()`` gives an object with ``run(package: bytes,
+    inputs: dict[str, numpy array], workdir: Path) -> ipubuild.device.DeviceRun``: the outputs by
+    name, a profile (JSON-able; ipubuild reads ``ok`` — every vertex succeeded —, ``tiles``,
+    ``samples`` and ``total_cycles``) and Chrome trace events. The backend should read the
+    package with ``ipubuild.package.Package`` and own its device with
+    ``ipubuild.device.device_ownership``. The target's ``[target] device`` names the one used.
+    All results are merged; a name declared twice is an error.
     """

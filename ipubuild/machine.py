@@ -20,9 +20,3 @@ def load_machine(name: str, where: str = "target.machine") -> dict:
         return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise UserError(str(path), f"the machine description is not valid TOML: {exc}") from None
-
-
-def machine_bytes(name: str) -> bytes:
-    """The machine file's bytes: an input of every phase that reads the machine."""
-    load_machine(name)
-    return (MACHINES / f"{name}.toml").read_bytes()

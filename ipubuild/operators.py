@@ -116,7 +116,11 @@ class Registry:
         self.kernels: dict[str, KernelVariant] = {}
         for op in operators:
             for kv in op.kernels():
-                self.kernels.setdefault(kv.name, kv)
+                known = self.kernels.setdefault(kv.name, kv)
+                if (Path(known.source), known.defines) != (Path(kv.source), kv.defines):
+                    raise UserError(f"plugin {owners.get(op.name, op.name)}", f"kernel variant {kv.name!r} of "
+                                    f"operator {op.name} is already declared with another source or defines; "
+                                    "give it another name")
 
     def get(self, name: str, where: str = "graph") -> Operator:
         try:

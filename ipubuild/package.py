@@ -77,6 +77,13 @@ class Package:
         raise PackageError(self.where, message)
 
     def _validate(self) -> dict:
+        try:
+            return self._check()
+        except (TypeError, KeyError, ValueError, IndexError, AttributeError, struct.error) as exc:
+            # a well-formed JSON manifest of the wrong shape: never a traceback for the user
+            self._fail(f"manifest is not valid ({type(exc).__name__})")
+
+    def _check(self) -> dict:
         d = self.data
         if len(d) < HEADER.size:
             self._fail(f"truncated: {len(d)} bytes is shorter than the {HEADER.size}-byte header")
@@ -241,12 +248,12 @@ def summarize(pkg: Package) -> list[str]:
 from .engine import phase  # noqa: E402
 
 
-@phase("write_package", inputs=("image/*", "idle_image", "object/*", "host_program", "graph", "machine"),
+@phase("write_package", inputs=("image/*", "idle_image", "object/*", "host_program", "machine"),
        outputs=("package",), config=("name", "target.tile_count"))
 def write_package_phase(ctx):
-    import tomllib
+    from .artifacts import machine_of
     from .log import log
-    m = tomllib.loads(ctx.bytes("machine").decode())
+    m = machine_of(ctx)
     used = ctx.config["target"]["tile_count"]
     images = ctx.family("image/")
     idle = ctx.digest("idle_image")

@@ -97,7 +97,7 @@ class Workspace:
         """Run a step: read input refs, run (or hit) its phase, write output refs and files."""
         inputs = {slot: self.read_ref(a) for slot, a in step.inputs.items()}
         for slot, path in step.sources.items():
-            inputs[slot] = self.store.put(Path(path).read_bytes(), verify=True)
+            inputs[slot] = self.store.put(Path(path).read_bytes(), pin=True)
         with _nested(self._spans(step) + (("phase", {"phase": step.phase}),)):
             result = self.engine.run(step.phase, inputs, step.config)
             for slot, artifact in step.outputs.items():

@@ -118,20 +118,23 @@ class PluginManager(pluggy.PluginManager):
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001
-            culprit = _culprit(exc) or "a plugin"
+            culprit = self.culprit(exc) or "a plugin"
             raise UserError(f"plugin {culprit}", f"hook {hook} raised {type(exc).__name__}: {exc}") from exc
 
-
-def _culprit(exc) -> str | None:
-    tb = exc.__traceback__
-    names = []
-    while tb is not None:
-        names.append(tb.tb_frame.f_globals.get("__name__", ""))
-        tb = tb.tb_next
-    for n in reversed(names):
-        if n and not n.startswith(("pluggy", "ipubuild.plugins")):
-            return n
-    return None
+    def culprit(self, exc: BaseException) -> str | None:
+        """The registered plugin whose code raised ``exc`` (its innermost frame in a plugin
+        module, or in a module of a third-party plugin's own package), if any."""
+        names = [n for n, _ in self.list_name_plugin()]
+        packages = [(n, n.rpartition(".")[0] + ".") for n in names if not n.startswith("ipubuild.") and "." in n]
+        tb, found = exc.__traceback__, None
+        while tb is not None:
+            mod = tb.tb_frame.f_globals.get("__name__", "")
+            if mod in names:
+                found = mod
+            else:
+                found = next((n for n, prefix in packages if mod.startswith(prefix)), found)
+            tb = tb.tb_next
+        return found
 
 
 def _version(dist: str) -> str:

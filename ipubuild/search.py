@@ -195,7 +195,7 @@ class Estimator:
 # exact evaluation ------------------------------------------------------------------------------
 def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
     """Run the compiler's phases up to the costed, placed program for ``layout``."""
-    artifacts = dict(base, layout=engine.store.put(canonical.dumps(layout)))
+    artifacts = dict(base, layout=engine.store.put(canonical.dumps(layout), pin=True))
     before = collections.Counter(engine.stats)
     try:
         for name in EVALUATION:
@@ -315,16 +315,15 @@ def search_layout(ctx, graph) -> dict:
         cycles = result["cycles"]
         log.info("validated search incumbent", cycles=cycles, resuming=resuming)
         if not resuming:
+            # the first save comes after the tile-mapping screen, so a resumed search never
+            # skips a step an uninterrupted one takes
             state = {"key": key, "incumbent": incumbent, "cycles": cycles, "attempts": 0, "round": 0,
                      "visited": [canonical.digest_of(incumbent)], "history": []}
-            _save(path, state)
-        visited = set(state["visited"])
-        if not resuming:
             incumbent, cycles = _screen_mappings(sc, incumbent, cycles, pool, state)
             state["incumbent"], state["cycles"] = incumbent, cycles
-            visited.add(canonical.digest_of(incumbent))
-            state["visited"] = sorted(visited)
+            state["visited"] = sorted(set(state["visited"]) | {canonical.digest_of(incumbent)})
             _save(path, state)
+        visited = set(state["visited"])
         while state["round"] < cfg["rounds"] and time.perf_counter() - t_start < cfg["seconds"]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """The content-addressed store: blobs by sha256, an action cache, and the provenance of blobs.
 
-Blobs live in one diskcache (size-limited, evicted least-recently-stored); action records and
-provenance in another, small and never evicted, so an evicted blob can always be rebuilt by
-re-running the action that produced it. Values are raw bytes (never pickled) and keys hex
+Blobs live in one diskcache (size-limited, evicted least-recently-stored); action records,
+provenance and *pinned* blobs (sources and other inputs no phase can rebuild) in another, never
+evicted, so an evicted blob can always be rebuilt by re-running the action that produced it. Values are raw bytes (never pickled) and keys hex
 digests. Every read is verified: a blob whose digest does not match, or an action record whose
 checksum does not, is dropped with a warning and reported as missing, never returned.
 """
@@ -26,7 +26,12 @@ def cache_dir(project_root: Path) -> Path:
 
 def size_limit() -> int:
     """The blob store's size limit in bytes: ``$IPUBUILD_CACHE_SIZE`` (default 4 GiB)."""
-    return int(os.environ.get("IPUBUILD_CACHE_SIZE") or DEFAULT_SIZE_LIMIT)
+    raw = os.environ.get("IPUBUILD_CACHE_SIZE") or str(DEFAULT_SIZE_LIMIT)
+    try:
+        return int(raw)
+    except ValueError:
+        from .errors import UserError
+        raise UserError("IPUBUILD_CACHE_SIZE", f"expected a number of bytes, got {raw!r}") from None
 
 
 class Store:
@@ -40,13 +45,28 @@ class Store:
                                     eviction_policy="none")
 
     # blobs ---------------------------------------------------------------------------------
-    def put(self, data: bytes, *, verify: bool = False) -> str:
-        """Store a blob (idempotent) and return its digest. With ``verify``, a stored copy is
-        read back and replaced if corrupt (for blobs no phase can rebuild, such as sources)."""
+    def put(self, data: bytes, *, pin: bool = False) -> str:
+        """Store a blob (idempotent) and return its digest. A *pinned* blob — one no phase can
+        rebuild, such as a source file or a sub-phase's input — goes to the never-evicted store,
+        and a corrupt stored copy of it is replaced."""
         key = canonical.digest(data)
-        if key not in self.blobs or (verify and self.get(key) is None):
+        if pin:
+            if self._get_pinned(key) is None:
+                self.meta.set("pin:" + key, bytes(data))
+        elif key not in self.blobs:
             self.blobs.set(key, bytes(data))
         return key
+
+    def _get_pinned(self, key: str) -> bytes | None:
+        try:
+            data = self.meta.get("pin:" + key)
+        except OSError:
+            data = None
+        if data is not None and canonical.digest(data) != key:
+            log.warning(f"dropped corrupt pinned blob digest={key[:16]}")
+            self.meta.delete("pin:" + key)
+            return None
+        return data
 
     def get(self, key: str) -> bytes | None:
         """The verified blob for a digest, or None if it is missing or was corrupt (then dropped)."""
@@ -57,7 +77,7 @@ class Store:
         if data is None:
             if key in self.blobs:      # its file is gone but its row is not: forget it
                 self.blobs.delete(key)
-            return None
+            return self._get_pinned(key)
         if canonical.digest(data) != key:
             log.warning(f"dropped corrupt cache blob digest={key[:16]}; it will be rebuilt")
             self.blobs.delete(key)
@@ -98,8 +118,8 @@ class Store:
         return self._get_record("prov:" + digest)
 
     def put_provenance(self, digest: str, record: dict) -> None:
-        if self.meta.get("prov:" + digest) is None:
-            self._put_record("prov:" + digest, record)
+        """Record how a blob was made (the latest maker wins: its inputs are the freshest)."""
+        self._put_record("prov:" + digest, record)
 
     def close(self) -> None:
         self.blobs.close()

@@ -76,7 +76,7 @@ def _action(ws: Workspace, step: Step):
         except Exception as exc:  # noqa: BLE001
             if os.environ.get("IPUBUILD_VERBOSE"):
                 traceback.print_exc()
-            plugin = _plugin_in_traceback(ws, exc)
+            plugin = ws.plugins.culprit(exc)
             if plugin:
                 return TaskFailed(f"plugin {plugin}: raised {type(exc).__name__} in phase {step.phase}: {exc} "
                                   "(IPUBUILD_VERBOSE=1 shows the traceback)")
@@ -84,19 +84,6 @@ def _action(ws: Workspace, step: Step):
                               "rerun with IPUBUILD_VERBOSE=1 for the traceback")
         return None
     return run
-
-
-def _plugin_in_traceback(ws: Workspace, exc: BaseException) -> str | None:
-    """The innermost frame's plugin (a registered third-party module or one of its
-    submodules), if the exception was raised in plugin code."""
-    names = [n for n, _ in ws.plugins.list_name_plugin() if not n.startswith("ipubuild.")]
-    tb, found = exc.__traceback__, None
-    while tb is not None:
-        mod = tb.tb_frame.f_globals.get("__name__", "")
-        hit = next((n for n in names if mod == n or mod.startswith(n.rpartition(".")[0] + ".")), None)
-        found = hit or found
-        tb = tb.tb_next
-    return found
 
 
 def step_task(ws: Workspace, step: Step) -> dict:
@@ -107,10 +94,20 @@ def step_task(ws: Workspace, step: Step) -> dict:
             "doc": step.doc or f"phase {step.phase}", "verbosity": 2}
 
 
-def _finish(ws: Workspace, target: dict):
-    """Print the build's closing lines and write its trace; fail on a failed numerical test."""
+def _finish(ws: Workspace, target: dict, files: list):
+    """Restore the build's output files from the cache (so that what is reported is what was
+    tested, even if someone changed a file), print the closing lines and write the trace; fail
+    on a failed numerical test."""
     def run():
+        try:
+            return report()
+        except UserError as exc:
+            return TaskFailed(str(exc))
+
+    def report():
         t = target["name"]
+        for artifact, path in files:
+            write_if_changed(path, ws.engine.fetch(ws.read_ref(artifact)))
         verdict = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/verdict")))
         cost = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/cost")))
         out = ws.artifacts / t
@@ -237,7 +234,8 @@ def _tasks(root: Path):
         for s in steps:
             yield step_task(ws, s)
         t = target["name"]
-        yield {"basename": "build", "name": t, "actions": [_finish(ws, target)],
+        files = [(s.outputs[slot], path) for s in steps for slot, path in s.files.items()]
+        yield {"basename": "build", "name": t, "actions": [_finish(ws, target, files)],
                "file_dep": [str(ws.ref_path(f"{t}/verdict")), str(ws.ref_path(f"{t}/cost"))],
                "uptodate": [False], "verbosity": 2,
                "doc": f"compile, package, run on the device and check {t}"}

@@ -28,7 +28,6 @@ from buildtree import (
     env,
     make_tree,
     package,
-    snapshot,
     start,
 )
 
@@ -40,12 +39,14 @@ NAME = "small"
 @pytest.fixture(scope="module")
 def code(tmp_path_factory) -> Path:
     """A snapshot of ipubuild/ that every build of this module imports."""
-    return tmp_path_factory.mktemp("code")
+    path = tmp_path_factory.mktemp("code")
+    copy_ipubuild(path)
+    return path
 
 
 @pytest.fixture(scope="module")
 def environ(code) -> dict:
-    return snapshot(code)
+    return env(code)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +59,10 @@ def reference(tmp_path_factory, environ) -> bytes:
 
 
 def store_problems(tree: Path) -> list[str]:
-    """Every cache entry of the tree that does not verify: blobs whose bytes do not match their
-    digest (Store.get drops them and returns None), action records or provenance whose checksum
-    fails, and action records naming an output blob the store does not hold."""
+    """Every cache entry of the tree that does not verify: blobs (evictable or pinned) whose
+    bytes do not match their digest (Store.get drops them and returns None), action records or
+    provenance whose checksum fails, and action records naming an output blob the store does not
+    hold."""
     store = Store(tree / ".ipubuild" / "cache")
     problems = []
     try:
@@ -70,6 +72,11 @@ def store_problems(tree: Path) -> list[str]:
                 problems.append(f"blob {key} is corrupt or unreadable")
         held = set(store.blobs.iterkeys())
         for key in list(store.meta.iterkeys()):
+            if key.startswith("pin:"):     # a pinned blob, not a record
+                if store.get(key[4:]) is None:
+                    problems.append(f"pinned blob {key} is corrupt")
+                held.add(key[4:])
+                continue
             record = store._get_record(key)
             if record is None:
                 problems.append(f"record {key} is corrupt")
@@ -135,6 +142,19 @@ def _produced(tree: Path) -> set[str]:
         return {k[len("prov:"):] for k in store.meta.iterkeys() if k.startswith("prov:")}
     finally:
         store.close()
+
+
+def _flip_pinned(tree: Path, key: str, rng: random.Random) -> None:
+    """Flip one bit of the pinned copy of blob ``key`` (a row of the never-evicted store)."""
+    db = sqlite3.connect(tree / ".ipubuild" / "cache" / "actions" / "cache.db")
+    try:
+        (value,) = db.execute("select value from Cache where key = ?", ("pin:" + key,)).fetchone()
+        data = bytearray(value)
+        data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        db.execute("update Cache set value = ? where key = ?", (bytes(data), "pin:" + key))
+        db.commit()
+    finally:
+        db.close()
 
 
 def _flip(tree: Path, key: str, rng: random.Random) -> None:
@@ -220,8 +240,8 @@ def test_corrupt_source_blob_is_replaced_from_the_source_file(tmp_path, code, en
     assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
     source = (code / "ipubuild" / "kernels" / "matmul.c").read_bytes()
     key = hashlib.sha256(source).hexdigest()
-    assert key in _blob_rows(tree) and key not in _produced(tree)
-    _flip(tree, key, random.Random(5))
+    assert key not in _blob_rows(tree) and key not in _produced(tree)   # sources are pinned
+    _flip_pinned(tree, key, random.Random(5))
     # other compiler flags: every kernel compiles again and reads its source blob
     flags = dict(environ, IPUBUILD_CFLAGS="-O1 -std=c11 -Wall -fPIC -shared")
     run = doit(tree, f"build:{NAME}", environ=flags)

@@ -144,10 +144,21 @@ def test_action_and_provenance_round_trip(store):
     assert store.get_action("d" * 64) is None
 
 
-def test_provenance_first_writer_wins(store):
+def test_provenance_latest_writer_wins(store):
     store.put_provenance("d" * 64, {"phase": "first"})
     store.put_provenance("d" * 64, {"phase": "second"})
-    assert store.get_provenance("d" * 64) == {"phase": "first"}
+    assert store.get_provenance("d" * 64) == {"phase": "second"}
+
+
+def test_pinned_blobs_survive_eviction_and_heal(store):
+    key = store.put(b"a source file", pin=True)
+    store.drop(key)                               # as eviction would
+    assert store.get(key) == b"a source file"
+    raw = store.meta.get("pin:" + key)
+    store.meta.set("pin:" + key, raw[:-1] + b"X")  # corrupt the pinned copy
+    assert store.get(key) is None
+    assert store.put(b"a source file", pin=True) == key
+    assert store.get(key) == b"a source file"
 
 
 @pytest.mark.parametrize("where", ["checksum", "payload", "truncated"])

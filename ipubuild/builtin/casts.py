@@ -16,7 +16,7 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
     """Cast every FP8 operand: constants are stored in FP8 directly, activations get a cast op
     right after their producer. Scales come from calibration on the example inputs."""
     from ..reference import evaluate
-    calibrated = evaluate(graph, constants, inputs, keep_all=True)
+    calibrated = evaluate(graph, constants, inputs, keep_all=True, threads=1)  # one BLAS thread: reproducible
 
     def scale(vid):
         if params.get("scaling") == "none":

@@ -12,10 +12,6 @@ def replan(layout, sc):
             if p != layout["ops"][str(op.id)]["plan"]]
 
 
-def _rows(plan):
-    return plan.get("rows", plan.get("m"))
-
-
 def align_chains(layout, sc):
     """Runs of consecutive operations that all split rows: move the whole run to one row count
     (and the producer's offset), so data stays on its tile between them."""

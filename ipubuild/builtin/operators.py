@@ -437,6 +437,13 @@ def _pow2(n):
     return out
 
 
+def _head_plans(rows: int, heads: int, tile_count: int) -> list[dict]:
+    """Each head's rows split over ``rows`` tiles; with fewer tiles than heads × rows, tiles
+    take several heads (``tiles`` is how many tiles the plan uses)."""
+    return [{"rows": p["rows"], "tiles": min(heads * p["rows"], tile_count)}
+            for p in _rows_plans(rows, max(1, tile_count // heads))]
+
+
 class AttentionScores(Operator):
     """Per head ``q_h @ k_h^T`` from a fused ``qkv[S, 3D]``: output ``[H, S, S]``."""
     name = "attention_scores"
@@ -463,7 +470,7 @@ class AttentionScores(Operator):
 
     def plans(self, graph, op, tile_count):
         qkv, s, d, h, dh = self._dims(graph, op)
-        return [{"rows": p["rows"]} for p in _rows_plans(s, max(1, tile_count // h))]
+        return _head_plans(s, h, tile_count)
 
     def lower(self, graph, op, plan):
         qkv, s, d, h, dh = self._dims(graph, op)
@@ -472,7 +479,7 @@ class AttentionScores(Operator):
         work = []
         for hh in range(h):
             for i, (r0, r1) in enumerate(split(s, plan["rows"])):
-                work.append(TileWork(hh * plan["rows"] + i,
+                work.append(TileWork((hh * plan["rows"] + i) % plan["tiles"],
                                      [(key(qkv.id), r0, r1, hh * dh, (hh + 1) * dh),
                                       (key(qkv.id), 0, s, d + hh * dh, d + (hh + 1) * dh)],
                                      [(key(y.id), hh * s + r0, hh * s + r1, 0, s)],
@@ -511,7 +518,7 @@ class AttentionContext(Operator):
 
     def plans(self, graph, op, tile_count):
         s = graph.values[op.inputs[1]].shape[0]
-        return _rows_plans(s, max(1, tile_count // op.attrs["heads"]))
+        return _head_plans(s, op.attrs["heads"], tile_count)
 
     def lower(self, graph, op, plan):
         pv, qkv = (graph.values[i] for i in op.inputs)
@@ -522,7 +529,7 @@ class AttentionContext(Operator):
         work = []
         for hh in range(h):
             for i, (r0, r1) in enumerate(split(s, plan["rows"])):
-                work.append(TileWork(hh * plan["rows"] + i,
+                work.append(TileWork((hh * plan["rows"] + i) % plan["tiles"],
                                      [(key(pv.id), hh * s + r0, hh * s + r1, 0, s),
                                       (key(qkv.id), 0, s, 2 * d + hh * dh, 2 * d + (hh + 1) * dh)],
                                      [(key(y.id), r0, r1, hh * dh, (hh + 1) * dh)],

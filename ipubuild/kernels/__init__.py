@@ -1,7 +1,8 @@
 """C kernels (codelets): compiling one kernel variant with the system C compiler.
 
 The C ABI is documented in ``README.md`` beside the sources. A variant's object is keyed by its
-source, every header it includes, its defines, the compiler flags and the compiler's identity.
+source, every header it includes, its defines, the compiler, its flags and identity, and the
+machine description (for the reservation quantum).
 Its code space is reserved in whole quanta (``machine.code.reservation_quantum``) with at least
 one byte of slack, so that an edit which keeps the code inside its reservation leaves the tile
 memory plan, and so every planning phase, untouched (as an incremental linker would).
@@ -97,6 +98,9 @@ def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str
             proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300)
         except OSError as exc:
             raise UserError(f"kernel {name}", f"cannot run the C compiler {cc!r}: {exc.strerror}") from None
+        except subprocess.TimeoutExpired:
+            raise UserError(f"kernel {name} ({where})", "the C compiler took more than 300 s; "
+                            "check the source or IPUBUILD_CFLAGS") from None
         if proc.returncode != 0:
             sys.stderr.write(proc.stderr.replace(source_name, where))
             first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), "see the diagnostics above")

@@ -69,15 +69,6 @@ def schedule_phase(transfers: list[list], machine: dict) -> dict:
             "horizon": min(ordinary, paired), "candidates": len(merged)}
 
 
-def table_bytes_per_tile(schedules: list[dict], machine: dict) -> dict[int, int]:
-    """Exchange-table bytes on each tile (send-side tables: one entry per transfer it sends)."""
-    out: dict[int, int] = {}
-    for s in schedules:
-        for t in s["transfers"]:
-            out[t[0]] = out.get(t[0], 0) + machine["exchange"]["table_entry_bytes"]
-    return out
-
-
 def resolve(transfers: list[list], addresses: dict[str, dict[str, int]]) -> list[list]:
     """Buffer-relative transfers to absolute ``[src_tile, src_addr, src_stride, dst_tile,
     dst_addr, dst_stride, rows, row_bytes]`` entries."""

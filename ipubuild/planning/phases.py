@@ -39,22 +39,22 @@ def compile_runtime(ctx):
 
 # planning --------------------------------------------------------------------------------------
 @phase("plan_package", inputs=("graph", "machine", "runtime", "reservation/*"), outputs=("layout",),
-       config=("name", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
+       config=("name", "path", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
 def plan_package(ctx):
     from ..search import search_layout
     g = graph_of(ctx)
     return {"layout": _json(search_layout(ctx, g))}
 
 
-def provisional_code_bytes(program: dict, reservations: dict, machine: dict) -> dict[str, int]:
-    """An upper bound of each tile's generated code before exchanges are scheduled."""
+def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
+    """An upper bound of each tile's generated code before exchanges are scheduled (one
+    exchange-table entry per transfer it sends: coalescing only removes entries)."""
     per_tile = kernels_per_tile(program)
-    table = machine["exchange"]["table_entry_bytes"]
     sends: dict[str, int] = {}
     for step in program["steps"]:
         for t in step["transfers"]:
-            sends[str(t[0])] = sends.get(str(t[0]), 0) + table
-    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + sends.get(tile, 0)
+            sends[str(t[0])] = sends.get(str(t[0]), 0) + 1
+    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(sends.get(tile, 0))
             + _program_size(program, tile, per_tile.get(tile, []))
             for tile in program["buffers"]}
 
@@ -86,7 +86,7 @@ def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
 def place_provisional_storage(ctx):
     g, m = graph_of(ctx), machine_of(ctx)
     program = build_program(g, ctx.json("layout"), ctx.config["target"]["tile_count"])
-    code = provisional_code_bytes(program, reservations_of(ctx), m)
+    code = provisional_code_bytes(program, reservations_of(ctx))
     return {"program": _json(program), "provisional_storage": _json(_allocate_all(program, code, m))}
 
 
@@ -105,7 +105,7 @@ def schedule_provisional_exchanges(ctx):
         if not step["transfers"]:
             out.append({"transfers": [], "horizon": 0, "use_paired": False})
             continue
-        transfers = ctx.engine.store.put(_json(step["transfers"]))
+        transfers = ctx.engine.store.put(_json(step["transfers"]), pin=True)
         r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
         sched = ctx.engine.decoded(r.outputs["schedule"])
         if r.hit:

@@ -111,9 +111,10 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                     "op": op.id, "transfers": [], "vertices": {}}
             gathered: dict[tuple, str] = {}
             for work in stage:
+                if not 0 <= work.tile < tile_count:
+                    raise UserError(f"operation {op.name}", f"its plan {plans[choice['plan']]} needs tile "
+                                    f"{work.tile} but the target has {tile_count}; raise target.tile_count")
                 tile = phys(work.tile)
-                if tile >= tile_count:
-                    raise UserError(f"operation {op.name}", f"plan uses tile {tile} of {tile_count}")
                 read_bufs = []
                 for blk in work.reads:
                     vk, r0, r1, c0, c1 = blk

@@ -73,10 +73,3 @@ def _first_fit(live, ranges, size, alignment):
 
 def _largest_gap(live, ranges, alignment):
     return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, alignment)), default=0)
-
-
-def peak_bytes(buffers: dict[str, dict], addresses: dict[str, int], alignment: int) -> int:
-    """The highest byte address used, minus the lowest (for reports)."""
-    if not addresses:
-        return 0
-    return max(addresses[b] + align_up(buffers[b]["size"], alignment) for b in addresses) - min(addresses.values())
