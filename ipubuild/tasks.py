@@ -15,6 +15,7 @@ configuration re-runs it when those change. One lock per tree serialises concurr
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import traceback
 from pathlib import Path
@@ -107,7 +108,9 @@ def _finish(ws: Workspace, target: dict, files: list):
     def report():
         t = target["name"]
         for artifact, path in files:
-            write_if_changed(path, ws.engine.fetch(ws.read_ref(artifact)))
+            want = ws.read_ref(artifact)
+            if _file_digest(path) != want:
+                write_if_changed(path, ws.engine.fetch(want))
         verdict = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/verdict")))
         cost = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/cost")))
         out = ws.artifacts / t
@@ -132,6 +135,14 @@ def _finish(ws: Workspace, target: dict, files: list):
             return TaskFailed(f"device {target['target']['device']}: a vertex reported an error")
         return None
     return run
+
+
+def _file_digest(path) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return None
 
 
 def _resolved(target: dict) -> bytes:

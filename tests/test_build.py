@@ -148,3 +148,16 @@ def test_kernel_edit_rebuilds_only_the_images_of_tiles_that_run_it(tmp_path):
     assert rc == 0 and "numericalTest=PASS" in log, log[-3000:]
     rebuilt = {t.rsplit("tile", 1)[1] for t in executed(log) if t.startswith("build_tile_images:small/tile")}
     assert rebuilt == users
+
+
+def test_a_tampered_output_file_is_restored_before_the_verdict(tmp_path):
+    tree = small_tree(tmp_path)
+    rc, log = doit(tree, "build:small")
+    assert rc == 0, log[-3000:]
+    path = tree / "artifacts" / "small" / "small.ipuexe"
+    good = path.read_bytes()
+    path.write_bytes(good[:1000] + bytes([good[1000] ^ 0xFF]) + good[1001:])
+    rc, log = doit(tree, "build:small")
+    assert rc == 0 and "numericalTest=PASS" in log, log[-3000:]
+    assert executed(log) == ["build:small"]
+    assert path.read_bytes() == good
