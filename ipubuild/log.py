@@ -59,6 +59,12 @@ class Logger:
 log = Logger()
 
 
+def phase_finished(phase: str, elapsed_ms: int, hit: bool) -> None:
+    """The reference's per-phase line, marked ``cached=true`` when the action cache served it."""
+    log.info("package build phase finished", phase=f'"{phase}"', elapsed_ms=elapsed_ms, success=True,
+             **({"cached": True} if hit else {}))
+
+
 @contextlib.contextmanager
 def span(name: str, **kv):
     """Nest a span for the logs and record it as a trace event."""

@@ -7,6 +7,7 @@ downstream up to date (early cutoff through doit's md5 checker).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 from . import canonical
 from .engine import PHASES, Engine, Result, config_subset
 from .files import write_if_changed
-from .log import log, span
+from .log import phase_finished, span
 from .store import Store, cache_dir, size_limit
 
 
@@ -98,7 +99,9 @@ class Workspace:
         inputs = {slot: self.read_ref(a) for slot, a in step.inputs.items()}
         for slot, path in step.sources.items():
             inputs[slot] = self.store.put(Path(path).read_bytes(), pin=True)
-        with _nested(self._spans(step) + (("phase", {"phase": step.phase}),)):
+        with contextlib.ExitStack() as spans:
+            for name, kv in self._spans(step) + (("phase", {"phase": step.phase}),):
+                spans.enter_context(span(name, **kv))
             result = self.engine.run(step.phase, inputs, step.config)
             for slot, artifact in step.outputs.items():
                 if slot not in result.outputs:
@@ -106,26 +109,5 @@ class Workspace:
                 write_if_changed(self.ref_path(artifact), result.outputs[slot].encode() + b"\n")
             for slot, path in step.files.items():
                 write_if_changed(path, self.engine.fetch(result.outputs[slot]))
-            extra = {"cached": True} if result.hit else {}
-            log.info("package build phase finished", phase=f'"{step.phase}"',
-                     elapsed_ms=result.elapsed_ms, success=True, **extra)
+            phase_finished(step.phase, result.elapsed_ms, result.hit)
         return result
-
-
-class _nested:
-    """Enter a sequence of (span name, fields) pairs."""
-
-    def __init__(self, spans):
-        self.spans = spans
-        self.stack = []
-
-    def __enter__(self):
-        for name, kv in self.spans:
-            cm = span(name, **kv)
-            cm.__enter__()
-            self.stack.append(cm)
-
-    def __exit__(self, *exc):
-        while self.stack:
-            self.stack.pop().__exit__(*exc)
-        return False

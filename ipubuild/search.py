@@ -25,7 +25,7 @@ from . import canonical
 from .engine import PHASES
 from .errors import UserError
 from .files import write_atomic
-from .log import log, span
+from .log import log, phase_finished, span
 from .operators import ceil_div, registry
 from .planning.cost import vertex_cycles
 from .planning.program import Blocks, default_layout, plans_of
@@ -208,8 +208,7 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
                     inputs[slot] = artifacts[slot]
             with span("phase", phase=name):
                 r = engine.run(name, inputs, config)
-                log.info("package build phase finished", phase=f'"{name}"', elapsed_ms=r.elapsed_ms,
-                         success=True, **({"cached": True} if r.hit else {}))
+                phase_finished(name, r.elapsed_ms, r.hit)
             artifacts.update(r.outputs)
     except UserError as exc:
         return {"invalid": str(exc)}

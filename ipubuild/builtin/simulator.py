@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import hookimpl
+from .. import canonical, hookimpl
 from ..device import DeviceRun, device_ownership
 from ..errors import UserError
 from ..log import log
@@ -78,9 +78,7 @@ class Simulator:
         by_step = {}
         for e in entries[np.lexsort((np.arange(len(entries)), entries[:, 0]))]:
             by_step.setdefault(int(e[0]), []).append(e[1:])
-        paired = pkg.member("host/program.json")
-        import json
-        host_program = json.loads(paired)
+        host_program = canonical.loads(pkg.member("host/program.json"))
         reg = registry()
         steps, total, ok = [], 0, True
         sync = machine["exchange"]["sync_cycles"]
