@@ -66,9 +66,11 @@ def run_device(ctx):
             "trace": canonical.dumps({"traceEvents": run.trace, "displayTimeUnit": "ns"})}
 
 
-@phase("check_numerics", inputs=("device_run", "reference", "profile"), outputs=("verdict",),
+@phase("check_numerics", inputs=("device_run", "reference", "profile", "cost"), outputs=("verdict",),
        config=("numerics.min_cosine", "numerics.max_abs_error"))
 def check_numerics(ctx):
+    """The verdict: the numerical test against the host reference, the device's own checks, and
+    the program's cost — everything the build's closing lines print."""
     from .reference import compare
     device, ref = tensors.unpack(ctx.bytes("device_run")), tensors.unpack(ctx.bytes("reference"))
     cos, err = compare(device, ref)
@@ -79,4 +81,5 @@ def check_numerics(ctx):
         "min_cosine": f"{cos:.9f}", "max_abs_error": f"{err:.6f}", "pass": ok,
         "thresholds": {"min_cosine": n["min_cosine"], "max_abs_error": n["max_abs_error"]},
         "device_ok": bool(profile.get("ok", False)), "samples": profile.get("samples", 0),
-        "tiles": profile.get("tiles", 0), "total_cycles": profile.get("total_cycles", 0)})}
+        "tiles": profile.get("tiles", 0), "total_cycles": profile.get("total_cycles", 0),
+        "cost": {k: v for k, v in ctx.json("cost").items() if k != "steps"}})}

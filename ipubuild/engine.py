@@ -1,9 +1,16 @@
 """The phase engine: pure, content-addressed phases memoised through the action cache.
 
 A phase declares its name, its named inputs and outputs and the configuration keys it reads, and
-is a pure function of them. Its action key is the digest of the phase name, the fingerprint of
-the code implementing it, the fingerprints of the plugins it calls, its input digests and the
-configuration it reads. A hit returns the recorded output digests without running anything.
+is a pure function of them. Its *signature* is the digest of everything it depends on besides its
+inputs — the phase name, the fingerprint of the code implementing it, the Python toolchain, the
+fingerprints of the plugins it calls and the configuration it reads — and its action key is the
+digest of that signature and its input digests. doit's up-to-date check uses the same signature
+(``ipubuild.tasks``), so nothing can be in one and missing from the other. A hit returns the
+recorded output digests without running anything.
+
+An output declared ``name/*`` is a *family*: the phase returns any number of members
+``name/<key>`` (one per tile, say); each member is a blob, and the output ``name`` is the family's
+*index*, a canonical JSON ``{key: digest}`` blob, read with ``Context.family(name)``.
 """
 from __future__ import annotations
 
@@ -21,13 +28,17 @@ from .log import log
 from .store import Store
 
 
+class MissingBlob(UserError):
+    """A blob that is not in the store and that no recorded producer could rebuild."""
+
+    def __init__(self, digest: str, why: str = "missing and no recorded producer can rebuild it"):
+        super().__init__(f"cache blob {digest[:16]}", why)
+        self.digest = digest
+
+
 @dataclasses.dataclass(frozen=True)
 class Phase:
-    """A compiler phase. ``fn(ctx)`` returns ``{output_name: bytes}``.
-
-    An output name ending in ``/*`` is a family: the function returns any number of outputs
-    ``name/<key>`` under it (one per tile, say).
-    """
+    """A compiler phase. ``fn(ctx)`` returns ``{output_name: bytes}``."""
     name: str
     fn: Callable
     inputs: tuple[str, ...]
@@ -45,11 +56,11 @@ PHASES: dict[str, Phase] = {}
 
 @functools.lru_cache(maxsize=None)
 def toolchain() -> dict:
-    """The Python-side toolchain every phase runs on: part of every action key, so that an
-    upgrade of Python, numpy or ml_dtypes never gives a stale hit."""
+    """The Python-side toolchain every phase runs on: part of every signature, so that an
+    upgrade of Python, numpy, ml_dtypes or pluggy never gives a stale hit."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
-    out = {"python": platform.python_version()}
+    out = {"python": platform.python_version(), "implementation": platform.python_implementation()}
     for dist in ("numpy", "ml-dtypes", "pluggy"):
         try:
             out[dist] = version(dist)
@@ -92,9 +103,13 @@ class Context:
     def json(self, name: str):
         return self.engine.decoded(self.input_digests[name])
 
-    def family(self, prefix: str) -> dict[str, str]:
-        """Input digests of a family, keyed by member (``tile_code/3`` → ``"3"``)."""
-        p = prefix.rstrip("*")
+    def family(self, name: str) -> dict[str, str]:
+        """A family's members by key: the index behind the input ``name`` (a family output of
+        another phase), or the input slots ``name/<key>`` given one by one (sources)."""
+        name = name.rstrip("/*")
+        if name in self.input_digests:
+            return dict(self.engine.decoded(self.input_digests[name]))
+        p = name + "/"
         return {k[len(p):]: d for k, d in self.input_digests.items() if k.startswith(p)}
 
 
@@ -109,19 +124,31 @@ class Result:
 class Engine:
     """Runs phases through the store; ``plugin_fingerprints(hooks)`` names plugins taking part."""
 
+    RECENT_BYTES = 256 * 2**20     # blobs this process made, handed to their readers directly
+    RECENT_BLOB_MAX = 64 * 2**20
+
     def __init__(self, store: Store, plugin_fingerprints: Callable[[tuple], dict] | None = None):
         self.store = store
         self.plugin_fingerprints = plugin_fingerprints or (lambda hooks: {})
         self._decoded: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._recent: collections.OrderedDict[str, bytes] = collections.OrderedDict()
+        self._recent_bytes = 0
         self._lock = threading.Lock()
+        self._local = threading.local()
         self.stats = collections.Counter()   # "hit" / "miss" counts of run()
 
-    def action_key(self, ph: Phase, inputs: dict[str, str], config: dict) -> str:
+    # keys -----------------------------------------------------------------------------------
+    def signature(self, ph: Phase, config: dict) -> str:
+        """Everything a phase's result depends on besides its inputs, as one digest."""
         return canonical.digest_of({
             "phase": ph.name, "code": ph.code, "toolchain": toolchain(),
             "plugins": self.plugin_fingerprints(ph.hooks) if ph.hooks else {},
-            "inputs": inputs, "config": config_subset(config, ph.config)})
+            "config": config_subset(config, ph.config)})
 
+    def action_key(self, ph: Phase, inputs: dict[str, str], config: dict) -> str:
+        return canonical.digest_of({"signature": self.signature(ph, config), "inputs": inputs})
+
+    # running ----------------------------------------------------------------------------------
     def run(self, name: str, inputs: dict[str, str], config: dict, *, force: bool = False) -> Result:
         """Run phase ``name`` on input digests, or return its recorded outputs."""
         ph = PHASES[name]
@@ -133,40 +160,95 @@ class Engine:
         if not force:
             recorded = self.store.get_action(key)
             if recorded is not None:
-                self.stats["hit"] += 1
+                self._count("hit")
                 return Result(recorded, True, int((time.perf_counter() - t0) * 1000), key)
-        self.stats["miss"] += 1
-        # the phase sees only the configuration it declared: an undeclared read fails at once
-        blobs = ph.fn(Context(self, ph, inputs, _unflatten(config_subset(config, ph.config))))
-        outputs = {}
+        self._count("miss")
         subset = config_subset(config, ph.config)
+        # the phase sees only the configuration it declared: an undeclared read fails at once
+        blobs = ph.fn(Context(self, ph, inputs, _unflatten(subset)))
+        outputs, families = {}, {}
         for out_name, data in sorted(blobs.items()):
-            if not any(out_name == o or (o.endswith("/*") and out_name.startswith(o[:-1]))
-                       for o in ph.outputs):
+            family = next((o[:-2] for o in ph.outputs if o.endswith("/*") and out_name.startswith(o[:-1])), None)
+            if out_name not in ph.outputs and family is None:
                 raise KeyError(f"phase {name} returned undeclared output {out_name}")
-            d = outputs[out_name] = self.store.put(data)
-            self.store.put_provenance(d, {"phase": name, "inputs": inputs, "config": subset,
-                                          "output": out_name})
+            d = self.put(data)
+            self.store.add_provenance(d, {"phase": name, "inputs": inputs, "config": subset, "output": out_name})
+            if family is None:
+                outputs[out_name] = d
+            else:
+                families.setdefault(family, {})[out_name[len(family) + 1:]] = d
+        for family in (o[:-2] for o in ph.outputs if o.endswith("/*")):
+            index = self.put(canonical.dumps(families.get(family, {})))
+            self.store.add_provenance(index, {"phase": name, "inputs": inputs, "config": subset, "output": family})
+            outputs[family] = index
         self.store.put_action(key, outputs)
         return Result(outputs, False, int((time.perf_counter() - t0) * 1000), key)
 
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self.stats[what] += 1
+
+    def put(self, data: bytes) -> str:
+        """Store a blob this process made, keeping it at hand for its readers."""
+        d = self.store.put(data)
+        if len(data) <= self.RECENT_BLOB_MAX:
+            with self._lock:
+                if d not in self._recent:
+                    self._recent[d] = data
+                    self._recent_bytes += len(data)
+                self._recent.move_to_end(d)
+                while self._recent_bytes > self.RECENT_BYTES:
+                    _, old = self._recent.popitem(last=False)
+                    self._recent_bytes -= len(old)
+        return d
+
+    # reading ----------------------------------------------------------------------------------
+    def available(self, digest: str) -> bool:
+        """Whether a blob can be read without rebuilding it."""
+        return digest in self._recent or self.store.has(digest)
+
     def fetch(self, digest: str) -> bytes:
-        """A verified blob; a missing or corrupt one is rebuilt by re-running its producer."""
+        """A verified blob; a missing or corrupt one is rebuilt by re-running a phase that made
+        it (one whose inputs do not need the blob itself: rebuilding never goes round in a
+        circle). Raises MissingBlob when none can."""
+        with self._lock:
+            data = self._recent.get(digest)
+        if data is not None:
+            return data
         data = self.store.get(digest)
         if data is not None:
             return data
-        prov = self.store.get_provenance(digest)
-        if prov is None or prov["phase"] not in PHASES:
-            raise UserError(f"cache blob {digest[:16]}",
-                            "missing and its producer is unknown; delete .ipubuild and rebuild")
-        log.warning("rebuilding missing cache blob by re-running its phase",
-                    phase=prov["phase"], digest=digest[:16])
-        result = self.run(prov["phase"], prov["inputs"], _unflatten(prov["config"]), force=True)
-        if result.outputs.get(prov["output"]) != digest:
-            raise UserError(f"phase {prov['phase']}",
-                            "re-running it gave different bytes (a non-deterministic phase); "
-                            "delete .ipubuild and rebuild")
-        return self.store.get(digest)
+        return self._rebuild(digest)
+
+    def _rebuild(self, digest: str) -> bytes:
+        busy = self._local.__dict__.setdefault("rebuilding", set())
+        records = [r for r in self.store.get_provenance(digest)
+                   if r.get("phase") in PHASES and digest not in r.get("inputs", {}).values()
+                   and not busy.intersection(r.get("inputs", {}).values())]
+        if digest in busy or not records:
+            raise MissingBlob(digest, "missing and its producer is unknown" if not records
+                              else "missing, and rebuilding it needs itself")
+        for rec in records:
+            log.warning("rebuilding missing cache blob by re-running its phase", phase=rec["phase"],
+                        digest=digest[:16])
+            busy.add(digest)
+            try:
+                result = self.run(rec["phase"], rec["inputs"], _unflatten(rec["config"]), force=True)
+            except MissingBlob:
+                continue
+            finally:
+                busy.discard(digest)
+            got = result.outputs.get(rec["output"])
+            if got is None and "/" in rec["output"]:       # a family member: look in the index
+                family, _, member = rec["output"].rpartition("/")
+                got = canonical.loads(self.fetch(result.outputs[family])).get(member)
+            if got != digest:
+                raise UserError(f"phase {rec['phase']}", "re-running it gave different bytes (a "
+                                "non-deterministic phase); delete .ipubuild and rebuild")
+            with self._lock:
+                data = self._recent.get(digest)
+            return data if data is not None else self.store.get(digest)
+        raise MissingBlob(digest)
 
     def decoded(self, digest: str):
         """The JSON value of a blob, memoised by digest."""

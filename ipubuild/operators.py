@@ -79,6 +79,12 @@ class Operator:
     def kernels(self) -> list[KernelVariant]:
         return []
 
+    def variants(self, graph, op) -> list[str]:
+        """The names of the kernel variants some plan of ``op`` may call (declared by this or
+        another operator's ``kernels()``). A target compiles only the variants its operations
+        name here; the default, every variant of ``kernels()``, is always safe."""
+        return [kv.name for kv in self.kernels()]
+
     # used by ipubuild ----------------------------------------------------------------------
     def infer_types(self, graph, op) -> list[tuple]:
         try:

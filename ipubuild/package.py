@@ -248,18 +248,18 @@ def summarize(pkg: Package) -> list[str]:
 from .engine import phase  # noqa: E402
 
 
-@phase("write_package", inputs=("image/*", "idle_image", "object/*", "host_program", "machine"),
+@phase("write_package", inputs=("images", "objects", "host_program", "machine"),
        outputs=("package",), config=("name", "target.tile_count"))
 def write_package_phase(ctx):
     from .artifacts import machine_of
     from .log import log
     m = machine_of(ctx)
     used = ctx.config["target"]["tile_count"]
-    images = ctx.family("image/")
-    idle = ctx.digest("idle_image")
+    images = ctx.family("images")
+    idle = images.pop("idle")
     tile_images = [images.get(str(t), idle) if t < used else idle for t in range(m["tiles"])]
     members = {f"images/{d}.img": ctx.engine.fetch(d) for d in sorted(set(tile_images))}
-    objects = ctx.family("object/")
+    objects = ctx.family("objects")
     kernels = {}
     for digest in sorted(set(tile_images)):
         header, _ = read_image(members[f"images/{digest}.img"])

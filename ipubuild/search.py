@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import canonical
-from .engine import PHASES
+from .engine import PHASES, MissingBlob
 from .errors import UserError
 from .files import write_atomic
 from .log import log, phase_finished, span
@@ -210,6 +210,8 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
                 r = engine.run(name, inputs, config)
                 phase_finished(name, r.elapsed_ms, r.hit)
             artifacts.update(r.outputs)
+    except MissingBlob:
+        raise                  # not the candidate's fault: the step re-makes its inputs
     except UserError as exc:
         return {"invalid": str(exc)}
     cost = engine.decoded(artifacts["cost"])
@@ -262,21 +264,47 @@ def state_path(ctx) -> Path:
 
 
 def _save(path: Path, state: dict) -> None:
+    """Save the state atomically, behind the sha256 of its bytes (``<digest>\n<state>``)."""
     data = canonical.dumps(state)
-    write_atomic(path, data)
+    write_atomic(path, canonical.digest(data).encode() + b"\n" + data)
     log.info("saved mid-plan search state", path=os.path.relpath(path), attempts=state["attempts"], bytes=len(data))
 
 
-def _load(path: Path, key: str) -> dict | None:
+STATE_KEYS = {"key": str, "incumbent": dict, "cycles": int, "attempts": int, "round": int,
+              "visited": list, "history": list}
+
+
+def read_state(path: Path) -> dict | None:
+    """The search state saved at ``path`` if it verifies (checksum and shape), else None (with a
+    warning unless there is no state at all)."""
     try:
-        state = canonical.loads(path.read_bytes())
+        raw = path.read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except OSError as exc:
         log.warning("ignored unreadable search state", path=os.path.relpath(path), error=type(exc).__name__)
         return None
-    if not isinstance(state, dict) or state.get("key") != key or "incumbent" not in state:
-        log.warning("ignored stale search state", path=os.path.relpath(path))
+    check, _, data = raw.partition(b"\n")
+    state = None
+    if check.decode(errors="replace") == canonical.digest(data):
+        try:
+            state = canonical.loads(data)
+        except ValueError:
+            state = None
+    if not isinstance(state, dict) or any(not isinstance(state.get(k), t) or isinstance(state.get(k), bool)
+                                          for k, t in STATE_KEYS.items()):
+        log.warning("ignored a search state that does not verify (damaged or edited); searching afresh",
+                    path=os.path.relpath(path))
+        return None
+    return state
+
+
+def _load(path: Path, key: str) -> dict | None:
+    """The saved state for this action key, or None: a state may make the search faster, never
+    change its outcome."""
+    state = read_state(path)
+    if state is not None and state["key"] != key:
+        log.info("ignored a search state of other inputs; searching afresh", path=os.path.relpath(path))
         return None
     return state
 
@@ -287,8 +315,7 @@ def search_layout(ctx, graph) -> dict:
     from .artifacts import machine_of
     machine = machine_of(ctx)
     sc = SearchContext(graph, tiles, machine)
-    base = {"graph": ctx.digest("graph"), "machine": ctx.digest("machine"), "runtime": ctx.digest("runtime"),
-            **{k: d for k, d in ctx.input_digests.items() if k.startswith("reservation/")}}
+    base = {k: ctx.digest(k) for k in ("graph", "machine", "runtime", "reservations")}
     key = ctx.engine.action_key(ctx.phase, ctx.input_digests, ctx.config)
     path = state_path(ctx)
     policy = str(graph.cast_storage)
@@ -299,18 +326,21 @@ def search_layout(ctx, graph) -> dict:
         state = _load(path, key)
         resuming = state is not None
         if resuming:
+            try:
+                result = evaluate(ctx.engine, base, state["incumbent"], ctx.config)
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError):  # a malformed layout
+                result = {"invalid": "malformed"}
+            if result.get("cycles") != state["cycles"]:
+                log.warning("ignored a search state whose incumbent does not build or cost what it says; "
+                            "searching afresh", saved=state["cycles"], now=result.get("cycles", "invalid"))
+                resuming, state = False, None
+        if resuming:
             incumbent = state["incumbent"]
         else:
             incumbent = initial_layout(sc, found)
-        result = evaluate(ctx.engine, base, incumbent, ctx.config)
+            result = evaluate(ctx.engine, base, incumbent, ctx.config)
         if "invalid" in result:
             raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
-        if resuming and result["cycles"] != state["cycles"]:
-            log.warning("ignored search state whose incumbent no longer costs what it says",
-                        saved=state["cycles"], now=result["cycles"])
-            resuming, state = False, None
-            incumbent = initial_layout(sc, found)
-            result = evaluate(ctx.engine, base, incumbent, ctx.config)
         cycles = result["cycles"]
         log.info("validated search incumbent", cycles=cycles, resuming=resuming)
         if not resuming:

@@ -325,7 +325,7 @@ def _schema_for(max_tiles: int) -> dict[str, dict[str, Field]]:
 
 
 def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
-                known: dict[str, list[str]] | None = None) -> dict:
+                known: dict[str, list[str]] | None = None, root=None) -> dict:
     """Read, validate and resolve the target file at ``path``.
 
     Returns ``{"name": <file stem>, "path": str(path), "target": ..., "model": ..., "casts": ...,
@@ -333,15 +333,18 @@ def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
     ``max_tiles``. ``known`` optionally maps ``"device"``, ``"policy"`` and ``"family"`` to the
     registered names; other values are then errors listing the known names (any other key of
     ``known`` is a programming error: ValueError). Any problem raises
-    one single-line :class:`UserError` naming the file (and key).
+    one single-line :class:`UserError` naming the file (and key). A relative ``path`` is read
+    from ``root`` when given (and named as given, so messages and keys do not depend on where the
+    tree lies).
     """
     where = str(path)
     p = Path(path)
+    source = Path(root, p) if root is not None else p
     name = p.stem if p.suffix == ".toml" else p.name
     if not _NAME_RE.fullmatch(name):
         raise UserError(where, f"target name {_show(name)} must match [A-Za-z0-9_][A-Za-z0-9_.-]*")
     try:
-        raw = p.read_bytes()
+        raw = source.read_bytes()
     except OSError as exc:
         raise UserError(where, f"cannot read target file: {_one_line(exc.strerror or exc)}") from None
     try:

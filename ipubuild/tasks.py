@@ -6,31 +6,58 @@ A project's ``dodo.py`` is three lines::
     from ipubuild.tasks import load
     globals().update(load(__file__))
 
-Tasks are named ``<phase>:<target>`` (``place_storage:vit_fp8``), ``compile_kernels:<variant>``
-and ``build_tile_images:<target>/tile<N>``; ``doit list --all`` shows them. A task's
-``file_dep`` are the reference files of its inputs (and real sources), its ``targets`` the
-reference files of its outputs; an ``uptodate`` check on the phase's code, plugins and
-configuration re-runs it when those change. One lock per tree serialises concurrent runs.
+Tasks are named ``<phase>:<target>`` (``place_storage:vit_fp8``); ``doit list --all`` shows them.
+A task's ``file_dep`` are the reference files of its inputs (and real sources), its ``targets``
+the reference files of its outputs; doit judges them by content (``ContentChecker``). Its
+``uptodate`` check carries the phase's *signature* — the same digest the engine puts in its action
+key (``Engine.signature``) — and the cache's identity. One lock per tree serialises concurrent
+runs.
+
+This module is what a no-op build runs, so it imports nothing heavy: the task graph comes from the
+task-graph cache (``ipubuild.taskcache``; ``ipubuild.analysis`` derives it when it is stale), and
+the engine, the planner and the plugins are imported only when a task actually runs.
 """
 from __future__ import annotations
 
 import fcntl
-import hashlib
+import json
 import os
-import traceback
+import sys
+import time
 from pathlib import Path
 
+from doit.dependency import FileChangedChecker
 from doit.exceptions import TaskFailed
 from doit.reporter import ConsoleReporter
 from doit.tools import config_changed
 
-from . import canonical
+from . import taskcache
 from .errors import UserError
-from .files import write_if_changed
-from .log import log, write_trace
-from .pipeline import Step, Workspace
+from .files import file_digest, settled, stat_key, tree_memo, write_if_changed
 
 _locks: dict[Path, object] = {}
+_executed = [0]          # steps run by this process (a no-op build keeps the last build's trace)
+
+
+class ContentChecker(FileChangedChecker):
+    """doit's file checker by content: a dependency changed when its sha256 did. An unchanged
+    stat key (size, mtime, ctime, inode — no edit can preserve all four) skips re-hashing; an
+    mtime restored by ``cp -p``, ``rsync -a`` or ``os.utime`` does not fool it."""
+
+    def check_modified(self, file_path, file_stat, state):
+        if not isinstance(state, list) or len(state) != 5:
+            return True
+        if state[0] is not None and stat_key(file_stat) == state[:4]:
+            return False
+        return file_digest(file_path) != state[4]
+
+    def get_state(self, dep, current_state):
+        key = stat_key(os.stat(dep))
+        if isinstance(current_state, list) and current_state[:4] == key:
+            return None
+        # a file changed within the clock's granularity could change again unseen: re-hash it
+        # next time rather than trust its stat key
+        return (key if settled(key) else [None] * 4) + [file_digest(dep)]
 
 
 def hold_build_lock(root: Path) -> None:
@@ -43,9 +70,33 @@ def hold_build_lock(root: Path) -> None:
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
+        from .log import log
         log.info("waiting for another build in this tree", lock=path)
         fcntl.flock(f, fcntl.LOCK_EX)
     _locks[path] = f
+
+
+def heal_doit_db(path: Path) -> None:
+    """Move a damaged doit database aside (``.doit.db.corrupt-<time>``): doit then starts a new
+    one, and every task re-runs into the action cache — losing records is safe, trusting bad
+    ones is not."""
+    if not path.exists():
+        return
+    import sqlite3
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            ok = con.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        finally:
+            con.close()
+    except sqlite3.DatabaseError:
+        ok = False
+    if not ok:
+        aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.replace(path, aside)
+        from .log import log
+        log.warning("moved a damaged doit database aside; every task will check the cache again",
+                    damaged=aside)
 
 
 class Reporter(ConsoleReporter):
@@ -68,94 +119,202 @@ class Reporter(ConsoleReporter):
         self.outstream.write(text)
 
 
-def _action(ws: Workspace, step: Step):
+def load(dodo_file, *, extra_config: dict | None = None) -> dict:
+    """The namespace a dodo.py exposes: DOIT_CONFIG and one task creator for every target.
+
+    Paths in tasks are relative to the tree (the folder of ``dodo_file``), which becomes the
+    working directory: ``doit -d elsewhere`` and a moved tree find the same tasks."""
+    root = Path(dodo_file).resolve().parent
+    os.chdir(root)
+    heal_doit_db(root / ".doit.db")
+
+    def task_ipubuild():
+        hold_build_lock(root)
+        yield from tasks_of(root)
+
+    config = {"backend": "sqlite3", "dep_file": str(root / ".doit.db"), "verbosity": 2,
+              "reporter": Reporter, "check_file_uptodate": ContentChecker, "default_tasks": [],
+              **(extra_config or {})}
+    return {"DOIT_CONFIG": config, "task_ipubuild": task_ipubuild}
+
+
+def tasks_of(root: Path):
+    """doit task dicts for every entry of the tree's analysis."""
+    graph = taskcache.load(root, _analyse)
+    entries = graph["tasks"]
+    for e in entries:
+        yield task_of(root, e, entries)
+
+
+def _analyse(root: Path, previous: dict | None) -> dict:
+    from .analysis import analyse
+    return analyse(root, previous)
+
+
+def step_task(ws, step) -> dict:
+    """A doit task for one step of a workspace (for a dodo file that builds steps of its own)."""
+    from .analysis import step_entry
+    from .store import cache_identity
+    entry = step_entry(ws, step, cache_identity(ws.cache))
+    _workspaces.setdefault(ws.root, ws)
+    ws.register([step])
+    return task_of(ws.root, entry, [entry])
+
+
+def task_of(root: Path, e: dict, entries: list) -> dict:
+    kind = e["kind"]
+    if kind == "step":
+        s = e["step"]
+        return {"basename": s["task"], "name": s["name"], "actions": [_run_step(root, e, entries)],
+                "file_dep": e["file_dep"], "targets": e["targets"], "uptodate": [config_changed(e["signature"])],
+                "doc": s["doc"] or f"phase {s['phase']}", "verbosity": 2, "clean": True}
+    if kind == "build":
+        finish = Finish(root, e, entries)
+        return {"basename": "build", "name": e["target"], "actions": [finish.run],
+                "file_dep": [e["verdict_ref"]], "uptodate": [finish.uptodate], "verbosity": 2,
+                "doc": f"compile, package, run on the device and check {e['target']}"}
+    if kind == "inspect":
+        return {"basename": "inspect", "name": e["target"], "actions": [_inspect(root, e)], "uptodate": [False],
+                "verbosity": 2, "doc": f"summarise the package of {e['target']}"}
+    if kind == "plugins":
+        return {"basename": "plugins", "actions": [_list_plugins], "uptodate": [False], "verbosity": 2,
+                "doc": "list the loaded plugins, their versions and the hooks each implements"}
+    return {"basename": e["basename"], "name": e["name"], "actions": [_broken(e["message"])],
+            "doc": e.get("doc", "")}
+
+
+# running tasks (these import the heavy parts) ----------------------------------------------------
+_workspaces: dict = {}
+
+
+def workspace(root: Path, entries: list):
+    """The tree's workspace, with every step of its analysis registered (to re-make lost refs)."""
+    ws = _workspaces.get(root)
+    if ws is None:
+        from . import build  # noqa: F401 - registers the phases
+        from .pipeline import Step, Workspace
+        ws = _workspaces[root] = Workspace.at(root)
+        ws.register(Step.from_json(e["step"]) for e in entries if e["kind"] == "step")
+    return ws
+
+
+def _failure(exc: Exception, where: str, plugins=None) -> TaskFailed:
+    if isinstance(exc, UserError):
+        return TaskFailed(str(exc))
+    if os.environ.get("IPUBUILD_VERBOSE"):
+        import traceback
+        traceback.print_exc()
+    plugin = plugins.culprit(exc) if plugins is not None else None
+    if plugin:
+        return TaskFailed(f"plugin {plugin}: raised {type(exc).__name__} in {where}: {exc} "
+                          "(IPUBUILD_VERBOSE=1 shows the traceback)")
+    return TaskFailed(f"internal error in {where} ({type(exc).__name__}: {exc}); "
+                      "rerun with IPUBUILD_VERBOSE=1 for the traceback")
+
+
+def _run_step(root: Path, entry: dict, entries: list):
     def run():
+        from .pipeline import Step
+        _executed[0] += 1
+        ws = None
         try:
-            ws.execute(step)
-        except UserError as exc:
-            return TaskFailed(str(exc))
-        except Exception as exc:  # noqa: BLE001
-            if os.environ.get("IPUBUILD_VERBOSE"):
-                traceback.print_exc()
-            plugin = ws.plugins.culprit(exc)
-            if plugin:
-                return TaskFailed(f"plugin {plugin}: raised {type(exc).__name__} in phase {step.phase}: {exc} "
-                                  "(IPUBUILD_VERBOSE=1 shows the traceback)")
-            return TaskFailed(f"internal error in phase {step.phase} ({type(exc).__name__}: {exc}); "
-                              "rerun with IPUBUILD_VERBOSE=1 for the traceback")
+            ws = workspace(root, entries)
+            ws.execute(Step.from_json(entry["step"]))
+        except Exception as exc:  # noqa: BLE001 - reported as one line
+            plugins = ws._plugins if ws is not None else None
+            return _failure(exc, f"phase {entry['step']['phase']}", plugins)
         return None
     return run
 
 
-def step_task(ws: Workspace, step: Step) -> dict:
-    deps = [str(ws.ref_path(a)) for a in step.inputs.values()] + [str(p) for p in step.sources.values()]
-    targets = [str(ws.ref_path(a)) for a in step.outputs.values()] + [str(p) for p in step.files.values()]
-    return {"basename": step.task, "name": step.name, "actions": [_action(ws, step)],
-            "file_dep": deps, "targets": targets, "uptodate": [config_changed(ws.signature(step))],
-            "doc": step.doc or f"phase {step.phase}", "verbosity": 2}
+class Finish:
+    """The end of ``build:<target>``: restore the build's output files (so that what is reported
+    is what was tested, even if someone changed a file), print the closing lines, write the
+    trace, and fail on a failed test.
 
+    When nothing ran in this process, it all happens in doit's up-to-date check: a passing build
+    is then *up to date* — doit records nothing and a no-op build writes nothing (it keeps the
+    trace of the last build that did some work)."""
 
-def _finish(ws: Workspace, target: dict, files: list):
-    """Restore the build's output files from the cache (so that what is reported is what was
-    tested, even if someone changed a file), print the closing lines and write the trace; fail
-    on a failed numerical test."""
-    def run():
+    def __init__(self, root: Path, entry: dict, entries: list):
+        self.root, self.entry, self.entries = root, entry, entries
+        self.outcome = None       # (failure or None), once reported
+
+    def uptodate(self) -> bool:
+        if _executed[0]:
+            return False
         try:
-            return report()
-        except UserError as exc:
-            return TaskFailed(str(exc))
+            return self.report() is None
+        except Exception:  # noqa: BLE001 - the action then runs and reports it
+            return False
 
-    def report():
-        t = target["name"]
-        for artifact, path in files:
-            want = ws.read_ref(artifact)
-            if _file_digest(path) != want:
-                write_if_changed(path, ws.engine.fetch(want))
-        verdict = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/verdict")))
-        cost = canonical.loads(ws.engine.fetch(ws.read_ref(f"{t}/cost")))
-        out = ws.artifacts / t
-        rel = lambda p: os.path.relpath(p, ws.root)  # noqa: E731
-        write_if_changed(out / f"{t}.resolved.toml", _resolved(target))
-        write_trace(out / "build.trace.json", f"doit build:{t}")
-        log.plain(f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
-                  f"lower_bound={cost['lower_bound']}")
-        log.plain(f"profile={rel(out / f'{t}.profile.json')} tiles={verdict['tiles']} samples={verdict['samples']}")
-        log.plain(f"referenceMinimumCosineSimilarity={verdict['min_cosine']}")
+    def run(self):
+        try:
+            return self.report()
+        except Exception as exc:  # noqa: BLE001
+            return _failure(exc, f"build:{self.entry['target']}")
+        finally:
+            ws = _workspaces.get(self.root)
+            if ws is not None:
+                ws.store.trim()
+                ws.close()
+            tree_memo(self.root).save()
+
+    def report(self):
+        if self.outcome is not None:
+            return self.outcome[0]
+        root, entry, t = self.root, self.entry, self.entry["target"]
+        memo = tree_memo(root)
+        for artifact, path in entry["files"]:
+            want = _read_ref(root, artifact)
+            if want is None or memo.digest(root / path) != want:
+                workspace(root, self.entries).restore_artifact(artifact, root / path)
+        memo.save()
+        verdict = json.loads((root / entry["verdict_file"]).read_bytes())
+        write_if_changed(root / "artifacts" / t / f"{t}.resolved.toml", entry["resolved"].encode())
+        if _executed[0]:
+            from .log import write_trace
+            write_trace(root / "artifacts" / t / "build.trace.json", f"doit build:{t}")
+        cost = verdict["cost"]
         verdict_word = "PASS" if verdict["pass"] else "FAIL"
-        log.plain(f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}")
         device_word = "PASS" if verdict["device_ok"] else "FAIL"
-        log.plain(f"package={rel(out / f'{t}.ipuexe')} tiles={verdict['tiles']} "
-                  f"device={target['target']['device']} deviceTest={device_word}")
+        sys.stdout.write(
+            f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
+            f"lower_bound={cost['lower_bound']}\n"
+            f"profile={entry['profile_file']} tiles={verdict['tiles']} samples={verdict['samples']}\n"
+            f"referenceMinimumCosineSimilarity={verdict['min_cosine']}\n"
+            f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}\n"
+            f"package={entry['package_file']} tiles={verdict['tiles']} "
+            f"device={entry['device']} deviceTest={device_word}\n")
+        sys.stdout.flush()
+        failure = None
         if not verdict["pass"]:
             th = verdict["thresholds"]
-            return TaskFailed(f"{target['path']}: numerics: numerical test failed (min cosine "
-                              f"{verdict['min_cosine']} vs {th['min_cosine']}, max abs error "
-                              f"{verdict['max_abs_error']} vs {th['max_abs_error']})")
-        if not verdict["device_ok"]:
-            return TaskFailed(f"device {target['target']['device']}: a vertex reported an error")
-        return None
-    return run
+            failure = TaskFailed(f"{entry['path']}: numerics: numerical test failed (min cosine "
+                                 f"{verdict['min_cosine']} vs {th['min_cosine']}, max abs error "
+                                 f"{verdict['max_abs_error']} vs {th['max_abs_error']})")
+        elif not verdict["device_ok"]:
+            failure = TaskFailed(f"device {entry['device']}: a vertex reported an error")
+        self.outcome = (failure,)
+        return failure
 
 
-def _file_digest(path) -> str | None:
+def _read_ref(root: Path, artifact: str) -> str | None:
     try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
-    except OSError:
+        text = (root / ".ipubuild" / "refs" / f"{artifact}.ref").read_text().strip()
+    except (OSError, UnicodeDecodeError):
         return None
+    return text if len(text) == 64 else None
 
 
-def _resolved(target: dict) -> bytes:
-    from .targets import dump_resolved
-    return dump_resolved(target)
-
-
-def _inspect(ws: Workspace, target: dict):
+def _inspect(root: Path, entry: dict):
     def run():
+        from .log import log
         from .package import read_package, summarize
-        path = ws.artifacts / target["name"] / f"{target['name']}.ipuexe"
+        t = entry["target"]
+        path = root / "artifacts" / t / f"{t}.ipuexe"
         if not path.exists():
-            return TaskFailed(f"{path}: no package yet; run `doit build:{target['name']}` first")
+            return TaskFailed(f"{path}: no package yet; run `doit build:{t}` first")
         try:
             for line in summarize(read_package(path)):
                 log.plain(line)
@@ -165,90 +324,21 @@ def _inspect(ws: Workspace, target: dict):
     return run
 
 
-def _list_plugins(ws: Workspace):
-    def run():
-        pm = ws.plugins
-        for name, plugin in sorted(pm.list_name_plugin()):
-            dist, version = pm.dists.get(name, (name, "0"))
-            hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
-            log.plain(f"{name}  {dist}=={version}  hooks: {', '.join(hooks)}")
-        return None
-    return run
+def _list_plugins():
+    from .log import log
+    from .plugins import get_plugin_manager
+    try:
+        pm = get_plugin_manager()
+    except UserError as exc:
+        return TaskFailed(str(exc))
+    for name, plugin in sorted(pm.list_name_plugin()):
+        dist, version = pm.dists.get(name, (name, "0"))
+        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
+        log.plain(f"{name}  {dist}=={version}  hooks: {', '.join(hooks)}")
+    return None
 
 
 def _broken(message: str):
     def run():
         return TaskFailed(message)
     return run
-
-
-def load(dodo_file, *, extra_config: dict | None = None) -> dict:
-    """The namespace a dodo.py exposes: DOIT_CONFIG and one task creator for every target."""
-    root = Path(dodo_file).resolve().parent
-
-    def task_ipubuild():
-        hold_build_lock(root)
-        yield from _tasks(root)
-
-    config = {"backend": "sqlite3", "dep_file": str(root / ".doit.db"), "verbosity": 2,
-              "reporter": Reporter, "default_tasks": [], **(extra_config or {})}
-    return {"DOIT_CONFIG": config, "task_ipubuild": task_ipubuild}
-
-
-def _known_names(ws: Workspace) -> dict | None:
-    """Registered model families, cast policies and devices, to check targets when they load
-    (None if a plugin fails here: its error then surfaces in the phase that calls it)."""
-    from .device import backends
-    from .frontend import cast_policies, model_families
-    try:
-        return {"family": model_families(ws.plugins), "policy": sorted(cast_policies(ws.plugins)),
-                "device": sorted(backends())}
-    except UserError:
-        return None
-
-
-def _tasks(root: Path):
-    from .build import check_machine, kernel_steps, machine_step, target_steps
-    from .targets import discover, load_target
-    try:
-        ws = Workspace.at(root)
-    except UserError as exc:
-        yield {"basename": "build", "name": "all", "actions": [_broken(str(exc))]}
-        return
-    yield {"basename": "plugins", "actions": [_list_plugins(ws)], "uptodate": [False], "verbosity": 2,
-           "doc": "list the loaded plugins, their versions and the hooks each implements"}
-    seen_machines, kernels = set(), None
-    known = _known_names(ws)
-    for path in discover(root):
-        rel = os.path.relpath(path, root)
-        try:
-            target = load_target(rel if Path(rel).resolve() == path.resolve() else path, known=known)
-            check_machine(target)
-        except UserError as exc:
-            yield {"basename": "build", "name": path.stem, "actions": [_broken(str(exc))],
-                   "doc": f"build {path.stem} (the target file has an error)"}
-            continue
-        machine = target["target"]["machine"]
-        try:
-            if machine not in seen_machines:
-                seen_machines.add(machine)
-                yield step_task(ws, machine_step(machine))
-            if kernels is None:
-                ksteps = kernel_steps(machine)
-                kernels = [s.name for s in ksteps]
-                for s in ksteps:
-                    yield step_task(ws, s)
-            steps = target_steps(target, kernels, ws.artifacts)
-        except UserError as exc:
-            yield {"basename": "build", "name": target["name"], "actions": [_broken(str(exc))]}
-            continue
-        for s in steps:
-            yield step_task(ws, s)
-        t = target["name"]
-        files = [(s.outputs[slot], path) for s in steps for slot, path in s.files.items()]
-        yield {"basename": "build", "name": t, "actions": [_finish(ws, target, files)],
-               "file_dep": [str(ws.ref_path(f"{t}/verdict")), str(ws.ref_path(f"{t}/cost"))],
-               "uptodate": [False], "verbosity": 2,
-               "doc": f"compile, package, run on the device and check {t}"}
-        yield {"basename": "inspect", "name": t, "actions": [_inspect(ws, target)], "uptodate": [False],
-               "verbosity": 2, "doc": f"summarise the package of {t}"}

@@ -109,7 +109,7 @@ def assert_one_error_line(run, *, names: tuple[str, ...], file: str | None):
 def assert_good_cache_intact(tree: Tree):
     run = doit(tree.root, f"build:{GOOD}", environ=tree.environ)
     assert_passed(run, GOOD)
-    assert run.executed == [f"build:{GOOD}"], run.tail()
+    assert run.executed == [], run.tail()          # a no-op: even build: is up to date
     assert package(tree.root, GOOD) == tree.package
 
 
@@ -148,7 +148,7 @@ def test_unknown_machine_is_one_error_line_naming_the_file(tmp_path, environ):
     assert_one_error_line(run, names=("target.machine", "ipu99", "ipu21"), file="targets/bad.toml")
     again = doit(root, "build:a_small", environ=environ)
     assert_passed(again, "a_small")
-    assert again.executed == ["build:a_small"], again.tail()
+    assert again.executed == [], again.tail()
     assert package(root, "a_small") == good
 
 

@@ -22,7 +22,7 @@ from ipubuild import canonical
 from ipubuild.engine import config_subset, phase
 from ipubuild.errors import UserError
 from ipubuild.pipeline import Step, Workspace
-from ipubuild.tasks import Reporter, step_task
+from ipubuild.tasks import ContentChecker, Reporter, step_task
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,7 +92,8 @@ class Toy:
                 yield step_task(ws, s)
 
         return {"DOIT_CONFIG": {"backend": "sqlite3", "dep_file": str(self.root / ".doit.db"),
-                                "verbosity": 2, "reporter": Reporter, "outfile": outfile},
+                                "verbosity": 2, "reporter": Reporter, "outfile": outfile,
+                                "check_file_uptodate": ContentChecker},
                 "task_toy": task_toy}
 
     def doit(self, *args) -> tuple[int, set, set, str]:

@@ -93,8 +93,8 @@ def test_records_provenance_of_outputs(eng):
     _register_upper(name, config=("a.b",))
     d = eng.store.put(b"abc")
     r = eng.run(name, {"text": d}, {"a": {"b": 2, "c": 3}, "z": 1})
-    assert eng.store.get_provenance(r.outputs["upper"]) == {
-        "phase": name, "inputs": {"text": d}, "config": {"a.b": 2}, "output": "upper"}
+    assert eng.store.get_provenance(r.outputs["upper"]) == [{
+        "phase": name, "inputs": {"text": d}, "config": {"a.b": 2}, "output": "upper"}]
 
 
 def test_input_digest_change_is_a_miss(eng):
@@ -202,14 +202,16 @@ def test_family_outputs_and_family_inputs(eng):
     @phase(join, inputs=("tile/*", "count"), outputs=("joined",))
     def fjoin(ctx):
         CALLS[join] += 1
-        fam = ctx.family("tile/*")
+        fam = ctx.family("tile")
         assert len(fam) == ctx.json("count")
-        return {"joined": b"-".join(ctx.bytes(f"tile/{k}") for k in sorted(fam, key=int))}
+        return {"joined": b"-".join(ctx.engine.fetch(fam[k]) for k in sorted(fam, key=int))}
 
     d = eng.store.put(b"alpha beta gamma")
     r = eng.run(split, {"text": d}, {})
-    assert sorted(r.outputs) == ["count", "tile/0", "tile/1", "tile/2"]
-    assert [eng.fetch(r.outputs[f"tile/{i}"]) for i in range(3)] == [b"alpha", b"beta", b"gamma"]
+    assert sorted(r.outputs) == ["count", "tile"]     # the family as one index blob
+    members = eng.decoded(r.outputs["tile"])
+    assert sorted(members) == ["0", "1", "2"]
+    assert [eng.fetch(members[str(i)]) for i in range(3)] == [b"alpha", b"beta", b"gamma"]
     assert eng.run(split, {"text": d}, {}).outputs == r.outputs
 
     j = eng.run(join, dict(r.outputs), {})
@@ -218,9 +220,9 @@ def test_family_outputs_and_family_inputs(eng):
     assert CALLS == {split: 1, join: 1}
 
     # a family member's provenance names its own slot, so it can be healed alone
-    assert eng.store.get_provenance(r.outputs["tile/1"])["output"] == "tile/1"
-    eng.store.drop(r.outputs["tile/1"])
-    assert eng.fetch(r.outputs["tile/1"]) == b"beta"
+    assert eng.store.get_provenance(members["1"])[0]["output"] == "tile/1"
+    eng.store.drop(members["1"])
+    assert Engine(eng.store).fetch(members["1"]) == b"beta"
     assert CALLS[split] == 2
 
 
@@ -260,6 +262,7 @@ def test_corrupt_output_blob_is_healed_by_fetch(eng, capsys):
     raw[1234] ^= 0xFF
     val.write_bytes(bytes(raw))
 
+    eng = Engine(eng.store)          # another process: it has not made the blob itself
     assert eng.fetch(digest) == good
     assert CALLS[name] == 2  # re-ran the producer (with its recorded config subset)
     err = capsys.readouterr().err
@@ -279,12 +282,13 @@ def test_consumer_heals_evicted_input_via_provenance(eng):
 
     seed = eng.store.put(b"s")
     ra = eng.run(a, {"seed": seed}, {})
+    eng = Engine(eng.store)          # another process
     eng.store.drop(ra.outputs["big"])
     eng.store.drop(seed)
-    eng.store.put_provenance(seed, {"phase": "nope-unknown", "inputs": {}, "config": {},
+    eng.store.add_provenance(seed, {"phase": "nope-unknown", "inputs": {}, "config": {},
                                     "output": "x"})
     # seed is a source blob with no known producer: consuming it fails cleanly
-    with pytest.raises(UserError, match="producer is unknown"):
+    with pytest.raises(UserError, match="no recorded producer can rebuild it"):
         eng.run(b, {"big": ra.outputs["big"]}, {})
     eng.store.put(b"s")
     rb = eng.run(b, {"big": ra.outputs["big"]}, {})
@@ -317,7 +321,7 @@ def test_missing_blob_whose_producer_is_unregistered_is_a_user_error(eng):
     eng.store.drop(r.outputs["big"])
     del PHASES[name]
     with pytest.raises(UserError, match="producer is unknown"):
-        eng.fetch(r.outputs["big"])
+        Engine(eng.store).fetch(r.outputs["big"])
 
 
 def test_nondeterministic_producer_is_a_user_error(eng):
@@ -331,7 +335,7 @@ def test_nondeterministic_producer_is_a_user_error(eng):
     r = eng.run(name, {}, {})
     eng.store.drop(r.outputs["o"])
     with pytest.raises(UserError, match="non-deterministic"):
-        eng.fetch(r.outputs["o"])
+        Engine(eng.store).fetch(r.outputs["o"])
 
 
 def test_decoded_memoises_json(eng):
@@ -407,9 +411,12 @@ def test_code_fingerprint_tracks_imported_modules_only(tmp_path, monkeypatch, st
         assert ph.code == code0
         assert eng.run(name, {"x": x}, {}).hit
 
-        # the phase's own module edited (just a comment): a miss
+        # a comment or a docstring cannot change what the phase computes: still a hit
         a_src = (d / "a.py").read_text()
-        assert key_after(d / "a.py", a_src + "# edited\n") != base.key
+        assert key_after(d / "a.py", '"""A docstring."""\n' + a_src + "# edited\n") == base.key
+        assert ph.code == code0
+        # the phase's own module edited (code): a miss
+        assert key_after(d / "a.py", a_src + "EDITED = 1\n") != base.key
         assert ph.code != code0
         assert not eng.run(name, {"x": x}, {}).hit
         # reverting restores the original key (content addressed, not time based)
@@ -418,7 +425,8 @@ def test_code_fingerprint_tracks_imported_modules_only(tmp_path, monkeypatch, st
 
         # a directly imported helper edited: a miss
         h_src = (d / "helper.py").read_text()
-        assert key_after(d / "helper.py", h_src + "\n# tweak\n") != base.key
+        assert key_after(d / "helper.py", h_src + "\n# tweak\n") == base.key      # a comment
+        assert key_after(d / "helper.py", h_src + "\nTWEAK = 1\n") != base.key
         key_after(d / "helper.py", h_src)
 
         # a transitively imported module edited: a miss

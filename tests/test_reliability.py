@@ -118,7 +118,7 @@ def test_sigkill_at_random_moment_then_rebuild_gives_the_clean_package(tmp_path,
     # and the tree is settled: nothing but the closing task runs again
     again = doit(tree, f"build:{NAME}", environ=environ)
     assert again.returncode == 0, again.tail()
-    assert again.executed == [f"build:{NAME}"], again.tail()
+    assert again.executed == [], again.tail()
 
 
 # --- 2. a corrupt cache blob ---------------------------------------------------------------------
@@ -278,7 +278,7 @@ def test_two_concurrent_builds_in_one_tree(tmp_path, environ, reference, offset)
     assert count > 0
     third = doit(tree, f"build:{NAME}", environ=environ)
     assert third.returncode == 0, third.tail()
-    assert third.executed == [f"build:{NAME}"], third.tail()
+    assert third.executed == [], third.tail()
     assert store_problems(tree) == []
 
 
@@ -340,7 +340,7 @@ def test_kernel_compile_error_is_one_line_and_keeps_the_cache(tmp_path, code):
     assert_passed(fixed, NAME)
     ran = fixed.executed
     assert not [t for t in ran if t.split(":")[0] in PLANNING_TASKS], ran
-    assert set(ran) <= {f"build:{NAME}"} | {t for t in ran if t.startswith("compile_kernels:matmul_")}, ran
+    assert set(ran) <= {f"build:{NAME}", f"compile_kernels:{NAME}"}, ran
     assert package(tree, NAME) == good
     assert store_problems(tree) == []
 
@@ -366,7 +366,7 @@ def test_wrong_kernel_fails_the_numerical_test(tmp_path, code):
     # a failed check is not remembered as a pass
     again = doit(tree, f"build:{NAME}", environ=environ)
     assert again.returncode != 0 and "numericalTest=FAIL" in again.stdout, again.tail()
-    assert again.executed == [f"build:{NAME}"], again.tail()
+    assert again.executed == [f"build:{NAME}"], again.tail()   # only the verdict, which fails again
 
     # the right kernel again: no planning phase re-runs, and the numbers pass
     src.write_text(original)

@@ -68,7 +68,7 @@ def test_round_trip_property(store, data):
 def test_unknown_key_reads_none(store):
     assert store.get("0" * 64) is None
     assert store.get_action("0" * 64) is None
-    assert store.get_provenance("0" * 64) is None
+    assert store.get_provenance("0" * 64) == []
 
 
 def test_corrupt_blob_file_reads_none_warns_and_is_dropped(store, tmp_path, capsys):
@@ -137,17 +137,24 @@ def test_action_and_provenance_round_trip(store):
     store.put_action("k" * 64, outs)
     assert store.get_action("k" * 64) == outs
     prov = {"phase": "p", "inputs": {"x": "3" * 64}, "config": {"a.b": 1}, "output": "a"}
-    store.put_provenance("d" * 64, prov)
-    assert store.get_provenance("d" * 64) == prov
+    store.add_provenance("d" * 64, prov)
+    assert store.get_provenance("d" * 64) == [prov]
     # action records and provenance live in different namespaces
-    assert store.get_provenance("k" * 64) is None
+    assert store.get_provenance("k" * 64) == []
     assert store.get_action("d" * 64) is None
 
 
-def test_provenance_latest_writer_wins(store):
-    store.put_provenance("d" * 64, {"phase": "first"})
-    store.put_provenance("d" * 64, {"phase": "second"})
-    assert store.get_provenance("d" * 64) == {"phase": "second"}
+def test_provenance_keeps_every_producer_newest_first(store):
+    """Identical bytes can come from several phases (an optimisation that changed nothing
+    outputs its input): every producer is kept, so a rebuild can pick one that does not need
+    the blob itself."""
+    store.add_provenance("d" * 64, {"phase": "first"})
+    store.add_provenance("d" * 64, {"phase": "second"})
+    store.add_provenance("d" * 64, {"phase": "first"})
+    assert store.get_provenance("d" * 64) == [{"phase": "first"}, {"phase": "second"}]
+    for i in range(10):
+        store.add_provenance("d" * 64, {"phase": f"p{i}"})
+    assert len(store.get_provenance("d" * 64)) == 4
 
 
 def test_pinned_blobs_survive_eviction_and_heal(store):
@@ -180,11 +187,11 @@ def test_corrupt_action_record_is_dropped(store, capsys, where):
 
 
 def test_corrupt_provenance_record_is_dropped(store, capsys):
-    store.put_provenance("d" * 64, {"phase": "p"})
+    store.add_provenance("d" * 64, {"phase": "p"})
     raw = bytearray(store.meta.get("prov:" + "d" * 64))
     raw[70] ^= 0x20
     store.meta.set("prov:" + "d" * 64, bytes(raw))
-    assert store.get_provenance("d" * 64) is None
+    assert store.get_provenance("d" * 64) == []
     assert "corrupt cache record" in capsys.readouterr().err
 
 
@@ -201,7 +208,7 @@ def test_values_are_stored_raw_not_pickled(store, tmp_path):
     store.put(big)
     outs = {"slot": small_key}
     store.put_action("e" * 64, outs)
-    store.put_provenance(small_key, {"phase": "raw-phase-marker"})
+    store.add_provenance(small_key, {"phase": "raw-phase-marker"})
 
     # greppable on disk (the sqlite db and its WAL, and the .val file)
     blob = _all_bytes(tmp_path / "cache" / "cas")
@@ -255,7 +262,7 @@ def _writer(root: str, worker: int, start) -> None:
         for i in range(N_ITEMS):
             d = s.put(_blob(worker, i))
             s.put_action(f"{worker}-{i}".rjust(64, "0"), {"out": d, "i": i})
-            s.put_provenance(d, {"phase": f"w{worker}", "i": i})
+            s.add_provenance(d, {"phase": f"w{worker}", "i": i})
             s.put(b"shared blob written by everyone")
     finally:
         s.close()
@@ -283,7 +290,7 @@ def test_concurrent_writers_processes(tmp_path):
                 d = canonical.digest(data)
                 assert s.get(d) == data, (w, i)
                 assert s.get_action(f"{w}-{i}".rjust(64, "0")) == {"out": d, "i": i}
-                assert s.get_provenance(d) == {"phase": f"w{w}", "i": i}
+                assert s.get_provenance(d) == [{"phase": f"w{w}", "i": i}]
                 seen.add(d)
         assert len(seen) == N_WORKERS * N_ITEMS
         assert s.get(canonical.digest(b"shared blob written by everyone")) is not None

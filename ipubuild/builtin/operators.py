@@ -109,6 +109,9 @@ class Cast(RowwiseOperator):
                                                              (r1 - r0) * x.cols, scale & 0xFFFFFFFF])])
         return Lowering([_rows_work(x.rows, plan, work)])
 
+    def variants(self, graph, op):
+        return [f"cast_{graph.values[op.inputs[0]].dtype}_{op.attrs['to']}"]
+
     def kernels(self):
         return [_variant(f"cast_{s}_{d}", "cast.c", elementwise_cycles(lambda a: a[2], 2),
                          SRC_TYPE=TYPE_CODE[s], DST_TYPE=TYPE_CODE[d]) for s, d in CAST_TYPES]
@@ -422,6 +425,10 @@ class MatMul(Operator):
             return Lowering([stage1])
         return Lowering([stage1, stage2], {temp: (len(ks) * m_, n_, "f32")})
 
+    def variants(self, graph, op):
+        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        return [f"matmul_{a.dtype}_{b.dtype}", "reduce_f32"]
+
     def kernels(self):
         out = [_variant(f"matmul_{x}_{w}", "matmul.c", matmul_cycles(x), A_TYPE=TYPE_CODE[x],
                         B_TYPE=TYPE_CODE[w]) for x, w in MATMUL_TYPES]
@@ -487,8 +494,9 @@ class AttentionScores(Operator):
                                        [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, dh, s, 1, sc, sc, 0])]))
         return Lowering([work])
 
-    def kernels(self):
-        return []
+    def variants(self, graph, op):
+        dtype = graph.values[op.inputs[0]].dtype
+        return [f"matmul_{dtype}_{dtype}"]
 
 
 class AttentionContext(Operator):
@@ -537,6 +545,10 @@ class AttentionContext(Operator):
                                        [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, s, dh, 0,
                                         pv.scale_exp & 0xFFFFFFFF, qkv.scale_exp & 0xFFFFFFFF, 0])]))
         return Lowering([work])
+
+    def variants(self, graph, op):
+        pv, qkv = (graph.values[i] for i in op.inputs)
+        return [f"matmul_{pv.dtype}_{qkv.dtype}"]
 
 
 @hookimpl

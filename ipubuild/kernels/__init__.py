@@ -1,30 +1,38 @@
-"""C kernels (codelets): compiling one kernel variant with the system C compiler.
+"""C kernels (codelets): compiling kernel variants with the system C compiler.
 
-The C ABI is documented in ``README.md`` beside the sources. A variant's object is keyed by its
-source, every header it includes, its defines, the compiler, its flags and identity, and the
-machine description (for the reservation quantum).
-Its code space is reserved in whole quanta (``machine.code.reservation_quantum``) with at least
-one byte of slack, so that an edit which keeps the code inside its reservation leaves the tile
-memory plan, and so every planning phase, untouched (as an incremental linker would).
+The C ABI is documented in ``README.md`` beside the sources. ``compile_kernels`` runs once per
+target: it compiles the variants the target's graph can use (``Operator.variants``) — the others
+stay declared and compile when a target needs them — each through the ``compile_kernel``
+sub-phase, whose action key is the variant's source, every header it includes, its defines, the
+compiler's flags and the compiler's identity (its version, target triple and the bytes of its
+executables: a changed wrapper script or an upgraded ``cc1`` is a changed compiler). Nothing else:
+no machine description, no path of the checkout. Variants compile concurrently.
+
+A variant's code space is reserved in whole quanta (``machine.code.reservation_quantum``) with at
+least one byte of slack, so that an edit which keeps the code inside its reservation leaves the
+tile memory plan, and so every planning phase, untouched (as an incremental linker would).
 """
 from __future__ import annotations
 
-import functools
+import concurrent.futures
 import os
 import re
 import shlex
+import shutil
 import struct
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from ..artifacts import machine_of, to_json
-from ..engine import phase
+from .. import canonical
+from ..engine import MissingBlob, phase
 from ..errors import UserError
+from ..log import log
 
 KERNEL_DIR = Path(__file__).resolve().parent
 DEFAULT_CFLAGS = "-O2 -std=c11 -Wall -fPIC -shared"
+SOURCE_SUFFIXES = (".c", ".h")
 
 
 def compiler() -> tuple[str, str]:
@@ -34,35 +42,92 @@ def compiler() -> tuple[str, str]:
             os.environ.get("IPUBUILD_CFLAGS") or DEFAULT_CFLAGS)
 
 
-@functools.lru_cache(maxsize=None)
-def compiler_identity(cc: str) -> str:
-    """The first line of ``cc --version`` and the target triple: part of every compile key."""
+def _run(cmd: list[str]) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+
+
+def compiler_files(cc: str) -> list[str]:
+    """The executables that make up the compiler: the resolved command, the programs a wrapper
+    script names, and (for gcc-like drivers) the compiler proper, ``cc1``."""
+    argv0 = shlex.split(cc)[0]
+    exe = shutil.which(argv0)
+    if exe is None:
+        raise UserError(f"C compiler {cc!r}", "not found; install a C compiler or set IPUBUILD_CC")
+    exe = os.path.realpath(exe)
+    files = [exe]
     try:
-        version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout.splitlines()[:1]
-        machine = subprocess.run([*shlex.split(cc), "-dumpmachine"], capture_output=True, text=True,
-                                 timeout=30).stdout.strip()
+        with open(exe, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        head = b""
+    if head.startswith(b"#!"):        # a wrapper script: the programs it runs are the compiler too
+        for word in re.findall(rb"[A-Za-z0-9_./+-]+", head):
+            found = shutil.which(word.decode())
+            if found and os.path.realpath(found) not in files and not word.startswith(b"/bin/") \
+                    and os.path.basename(found) not in ("sh", "bash", "dash", "env", "exec"):
+                files.append(os.path.realpath(found))
+    try:
+        cc1 = _run([*shlex.split(cc), "-print-prog-name=cc1"]).strip()
+    except (OSError, subprocess.TimeoutExpired):
+        cc1 = ""
+    if os.path.isabs(cc1) and os.path.isfile(cc1):
+        files.append(os.path.realpath(cc1))
+    return files
+
+
+def compiler_identity(cc: str, memo=None) -> tuple[dict, list[str]]:
+    """What the compile key knows of the compiler — its ``--version`` line, its target triple and
+    the sha256 of each of ``compiler_files(cc)`` — and those files. ``memo`` (a
+    ``files.StatMemo``) saves re-hashing unchanged executables."""
+    from ..files import file_digest
+    files = compiler_files(cc)
+    try:
+        version = _run([*shlex.split(cc), "--version"]).splitlines()[:1]
+        machine = _run([*shlex.split(cc), "-dumpmachine"]).strip()
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UserError(f"C compiler {cc!r}", f"cannot run it ({exc}); install a C compiler or set "
                         "IPUBUILD_CC") from None
-    return f"{version[0] if version else cc} {machine}".strip()
+    digest = memo.digest if memo is not None else file_digest
+    return {"version": version[0] if version else cc, "machine": machine,
+            "files": {os.path.basename(f): digest(f) for f in files}}, files
 
 
 _INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
 
 
-def included_headers(source: Path) -> list[Path]:
-    """Every local header ``source`` includes, transitively (quoted includes beside it)."""
-    seen: dict[Path, None] = {}
-    todo = [source]
+def included(source_slot: str, sources: dict[str, bytes]) -> list[str]:
+    """The slots of every local header a source includes, transitively (quoted includes,
+    resolved beside the including file)."""
+    seen: list[str] = []
+    todo = [source_slot]
     while todo:
-        text = todo.pop().read_bytes()
-        for name in _INCLUDE.findall(text):
-            h = (source.parent / name.decode()).resolve()
-            if h.is_file() and h not in seen:
-                seen[h] = None
+        slot = todo.pop()
+        for name in _INCLUDE.findall(sources[slot]):
+            h = str(PurePosixPath(slot).parent / name.decode())
+            if h in sources and h not in seen:
+                seen.append(h)
                 todo.append(h)
     return sorted(seen)
+
+
+def source_slot(path: Path) -> str:
+    """``path`` relative to the folder holding its top-level Python package, e.g.
+    ``ipubuild/kernels/matmul.c``: meaningful in messages, and the same in every checkout."""
+    top = Path(path).parent
+    while (top.parent / "__init__.py").exists():
+        top = top.parent
+    return Path(path).relative_to(top.parent).as_posix()
+
+
+def kernel_sources(registry) -> dict[str, Path]:
+    """``{slot: file}`` for every C source and header in the folders of the registered kernel
+    variants (a target's compile step reads them all; it compiles only what its graph uses)."""
+    out = {}
+    for folder in sorted({Path(kv.source).resolve().parent for kv in registry.kernels.values()}):
+        for f in sorted(folder.iterdir()):
+            if f.suffix in SOURCE_SUFFIXES and f.is_file():
+                out[source_slot(f)] = f
+    return out
 
 
 def text_bytes(elf: bytes) -> int:
@@ -85,40 +150,105 @@ def reserve(code: int, quantum: int) -> int:
 
 
 def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str, bytes],
-                   defines: list, cc: str, cflags: str, where: str) -> bytes:
-    """Compile one variant in a scratch folder; a failure prints the compiler's diagnostics and
-    raises a one-line error naming the kernel."""
+                   defines: list, cc: str, cflags: str, where: str) -> tuple[bytes, str]:
+    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure prints the
+    compiler's diagnostics and raises a one-line error naming the kernel."""
     with tempfile.TemporaryDirectory(prefix="ipubuild-cc-") as tmp:
-        (Path(tmp) / source_name).write_bytes(source)
-        for h, data in headers.items():
-            (Path(tmp) / h).write_bytes(data)
+        # the source and its headers at their slots' paths, so quoted includes resolve as beside
+        # the real files; the compiler runs in the source's folder
+        for slot, data in {where: source, **headers}.items():
+            (Path(tmp) / slot).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / slot).write_bytes(data)
+        cwd = (Path(tmp) / where).parent
         cmd = [*shlex.split(cc), *shlex.split(cflags), *[f"-D{k}={v}" for k, v in defines],
-               "-o", "kernel.so", source_name, "-lm"]
+               "-o", str(Path(tmp) / "kernel.so"), source_name, "-lm"]
         try:
-            proc = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
         except OSError as exc:
             raise UserError(f"kernel {name}", f"cannot run the C compiler {cc!r}: {exc.strerror}") from None
         except subprocess.TimeoutExpired:
             raise UserError(f"kernel {name} ({where})", "the C compiler took more than 300 s; "
                             "check the source or IPUBUILD_CFLAGS") from None
+        diagnostics = proc.stderr.replace(source_name, where)
         if proc.returncode != 0:
-            sys.stderr.write(proc.stderr.replace(source_name, where))
-            first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), "see the diagnostics above")
-            raise UserError(f"kernel {name} ({where})", "compile failed: "
-                            + first.replace(source_name, where).strip())
-        return (Path(tmp) / "kernel.so").read_bytes()
+            sys.stderr.write(diagnostics)
+            first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
+            raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
+        return (Path(tmp) / "kernel.so").read_bytes(), diagnostics
 
 
-@phase("compile_kernels", inputs=("source", "header/*", "machine"), outputs=("object", "reservation", "code_size"),
+@phase("compile_kernel", inputs=("source", "header/*"), outputs=("object", "code_size", "diagnostics"),
        config=("kernel", "compiler"))
-def compile_kernels(ctx):
-    """One kernel variant's shared object, its reservation and its exact code size."""
+def compile_kernel_phase(ctx):
+    """One kernel variant's shared object, its exact code size and the compiler's warnings."""
     k, c = ctx.config["kernel"], ctx.config["compiler"]
-    headers = {name: ctx.engine.fetch(d) for name, d in ctx.family("header/").items()}
-    obj = compile_kernel(k["name"], k["source_name"], ctx.bytes("source"), headers, k["defines"],
-                         c["cc"], c["cflags"], k["where"])
-    code = text_bytes(obj)
-    quantum = machine_of(ctx)["code"]["reservation_quantum"]
-    # the reservation alone feeds planning: the exact size changes with every edit, it does not
-    return {"object": obj, "reservation": to_json({"reserved": reserve(code, quantum)}),
-            "code_size": to_json({"code_bytes": code})}
+    headers = {name: ctx.engine.fetch(d) for name, d in ctx.family("header").items()}
+    obj, diagnostics = compile_kernel(k["name"], k["source_name"], ctx.bytes("source"), headers,
+                                      k["defines"], c["cc"], c["cflags"], k["where"])
+    return {"object": obj, "code_size": canonical.dumps({"code_bytes": text_bytes(obj)}),
+            "diagnostics": diagnostics.encode()}
+
+
+def used_variants(graph, registry) -> list[str]:
+    """The kernel variants some plan of some operation of ``graph`` may call."""
+    names = set()
+    for op in graph.ops:
+        names.update(registry.get(op.type).variants(graph, op))
+    unknown = sorted(names - set(registry.kernels))
+    if unknown:
+        raise UserError("operators", f"kernel variants {unknown} are named by variants() but no "
+                        "operator's kernels() declares them")
+    return sorted(names)
+
+
+@phase("compile_kernels", inputs=("graph", "source/*"), outputs=("objects", "code_sizes", "reservations"),
+       config=("compiler", "kernel_quantum"), hooks=("ipubuild_operators",))
+def compile_kernels(ctx):
+    """Compile the kernel variants the target's graph can use; their objects (a family index),
+    exact code sizes, and reservations (the only part planning reads)."""
+    from ..artifacts import graph_of
+    from ..operators import registry
+    reg = registry()
+    slots = ctx.family("source")
+    sources = {slot: ctx.engine.fetch(d) for slot, d in slots.items()}
+    compiler_cfg = ctx.config["compiler"]
+    jobs = {}
+    for name in used_variants(graph_of(ctx), reg):
+        kv = reg.kernels[name]
+        slot = source_slot(Path(kv.source))
+        if slot not in slots:
+            raise UserError(f"kernel {name}", f"its source {slot} is not among the build's kernel sources; "
+                            "reinstall the plugin that declares it")
+        jobs[name] = ({"source": slots[slot], **{f"header/{h}": slots[h] for h in included(slot, sources)}},
+                      {"kernel": {"name": name, "source_name": PurePosixPath(slot).name,
+                                  "defines": [list(d) for d in kv.defines], "where": slot},
+                       "compiler": compiler_cfg})
+
+    def run(name):
+        inputs, config = jobs[name]
+        return ctx.engine.run("compile_kernel", inputs, config)
+
+    workers = max(1, min(len(jobs), os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        futures = {name: pool.submit(run, name) for name in sorted(jobs)}
+        results, failure = {}, None
+        for name, fut in futures.items():
+            try:
+                results[name] = fut.result()
+            except (UserError, MissingBlob) as exc:
+                failure = failure or exc
+    if failure is not None:
+        raise failure
+    quantum = ctx.config["kernel_quantum"]
+    objects, sizes, reserved = {}, {}, {}
+    for name, r in sorted(results.items()):
+        if not r.hit:
+            log.info("compiled kernel variant", variant=name, elapsed_ms=r.elapsed_ms)
+        diagnostics = ctx.engine.fetch(r.outputs["diagnostics"]).decode()
+        if diagnostics.strip():         # replayed on a cache hit too, as Bazel replays stderr
+            sys.stderr.write(f"kernel {name}: compiler diagnostics{' (cached)' if r.hit else ''}:\n{diagnostics}")
+        objects[name] = r.outputs["object"]
+        sizes[name] = ctx.engine.decoded(r.outputs["code_size"])["code_bytes"]
+        reserved[name] = reserve(sizes[name], quantum)
+    return {"objects": canonical.dumps(objects), "code_sizes": canonical.dumps(sizes),
+            "reservations": canonical.dumps(reserved)}

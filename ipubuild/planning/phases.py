@@ -3,9 +3,9 @@
 Artifacts: ``graph`` (IR JSON), ``params`` (constants and example inputs), ``layout`` (the
 search's choice), ``program`` (steps, buffers, transfers), ``provisional_storage``,
 ``exchange_schedule``, ``kernel_plan``, ``link_map``, ``code_sizes``, ``storage``,
-``exchange_tables``, ``placed_exchanges``, ``cost``, per tile ``tile_program/N``,
-``tile_data/N``, ``tile_code/N``, ``tile_kernels/N``, ``image/N``, then ``host_program`` and the
-package. See ``docs/architecture.md`` for the picture.
+``exchange_tables``, ``placed_exchanges``, ``cost``, the per-tile families ``tile_program``,
+``tile_data``, ``tile_code``, ``tile_kernels`` and ``images`` (each an index of one blob per tile),
+then ``host_program`` and the package. See ``docs/architecture.md`` for the picture.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ OPS = ("ipubuild_operators",)
 
 
 def reservations_of(ctx) -> dict[str, int]:
-    """Code bytes reserved for each kernel variant (the ``reservation/*`` inputs)."""
-    return {name: ctx.engine.decoded(d)["reserved"] for name, d in ctx.family("reservation/").items()}
+    """Code bytes reserved for each kernel variant the target compiles (``compile_kernels``)."""
+    return ctx.json("reservations")
 
 
 @phase("compile_runtime", inputs=("machine",), outputs=("runtime",), config=("target.tile_count",))
@@ -38,7 +38,7 @@ def compile_runtime(ctx):
 
 
 # planning --------------------------------------------------------------------------------------
-@phase("plan_package", inputs=("graph", "machine", "runtime", "reservation/*"), outputs=("layout",),
+@phase("plan_package", inputs=("graph", "machine", "runtime", "reservations"), outputs=("layout",),
        config=("name", "path", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
 def plan_package(ctx):
     from ..search import search_layout
@@ -81,7 +81,7 @@ def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
     return out
 
 
-@phase("place_provisional_storage", inputs=("graph", "layout", "machine", "reservation/*"),
+@phase("place_provisional_storage", inputs=("graph", "layout", "machine", "reservations"),
        outputs=("program", "provisional_storage"), config=("target.tile_count",), hooks=OPS)
 def place_provisional_storage(ctx):
     g, m = graph_of(ctx), machine_of(ctx)
@@ -127,7 +127,7 @@ def plan_kernels(ctx):
                                   "kernels": sorted({k for ks in per_tile.values() for k in ks})})}
 
 
-@phase("link_runtime", inputs=("kernel_plan", "runtime", "machine", "reservation/*"), outputs=("link_map",))
+@phase("link_runtime", inputs=("kernel_plan", "runtime", "machine", "reservations"), outputs=("link_map",))
 def link_runtime(ctx):
     """Kernel code addresses per tile, from the reservations (not the objects: an edit that
     stays inside its reservation moves nothing)."""
@@ -144,11 +144,11 @@ def link_runtime(ctx):
     return {"link_map": _json({"runtime": runtime, "tiles": out})}
 
 
-@phase("link_kernels", inputs=("link_map", "object/*"), outputs=("tile_kernels/*",))
+@phase("link_kernels", inputs=("link_map", "objects"), outputs=("tile_kernels/*",))
 def link_kernels(ctx):
-    """Bind each tile's kernel slots to the compiled objects' digests (one output per tile, so
+    """Bind each tile's kernel slots to the compiled objects' digests (one member per tile, so
     an edited kernel changes only the tiles that run it)."""
-    objects = ctx.family("object/")
+    objects = ctx.family("objects")
     return {f"tile_kernels/{tile}": _json([[k, addr, size, objects[k]] for k, addr, size in info["kernels"]])
             for tile, info in ctx.json("link_map")["tiles"].items()}
 
@@ -269,10 +269,10 @@ def prepare_tile_code(ctx):
     return out
 
 
-@phase("emit_tile_code", inputs=("tile_program/*",), outputs=("tile_code/*",))
+@phase("emit_tile_code", inputs=("tile_program",), outputs=("tile_code/*",))
 def emit_tile_code(ctx):
     out = {}
-    for tile, digest in ctx.family("tile_program/").items():
+    for tile, digest in ctx.family("tile_program").items():
         p = ctx.engine.decoded(digest)
         prog = codegen.encode_program(p["kernels"], p["steps"])
         xch = codegen.encode_exchange(p["exchange"])
@@ -282,8 +282,25 @@ def emit_tile_code(ctx):
     return out
 
 
-@phase("build_tile_images", inputs=("tile_code", "tile_data", "tile_kernels"), outputs=("image",))
+@phase("build_tile_images", inputs=("tile_code", "tile_data", "tile_kernels"), outputs=("images",))
 def build_tile_images(ctx):
+    """Every used tile's image (and the idle tiles' one, as ``idle``), each by the
+    ``build_tile_image`` sub-phase: a tile whose code, data and kernels did not change is a
+    cache hit, so a kernel edit rebuilds only the images of the tiles that run it."""
+    code, data, kernels = (ctx.family(n) for n in ("tile_code", "tile_data", "tile_kernels"))
+    images, built = {}, 0
+    for tile in sorted(code, key=int):
+        r = ctx.engine.run("build_tile_image", {"tile_code": code[tile], "tile_data": data[tile],
+                                                 "tile_kernels": kernels[tile]}, {})
+        images[tile] = r.outputs["image"]
+        built += not r.hit
+    images["idle"] = ctx.engine.run("build_idle_image", {}, {}).outputs["image"]
+    log.info("built tile images", tiles=len(code), rebuilt=built, reused=len(code) - built)
+    return {"images": _json(images)}
+
+
+@phase("build_tile_image", inputs=("tile_code", "tile_data", "tile_kernels"), outputs=("image",))
+def build_tile_image(ctx):
     code = tensors.unpack(ctx.bytes("tile_code"))
     prog_addr, xch_addr = (int(a) for a in code["addresses"])
     data = tensors.unpack(ctx.bytes("tile_data"))

@@ -1,0 +1,147 @@
+"""Analysis: a tree's targets turned into doit task entries (JSON-able), and the files read.
+
+This is the expensive part of loading a tree — plugins, targets, machine descriptions, code
+fingerprints, the compiler's identity — and its result is cached by ``ipubuild.taskcache`` until
+one of the files it read changes. The entries are turned into doit tasks by ``ipubuild.tasks``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from .errors import UserError
+from .log import log
+
+
+def analyse(root: Path, previous: dict | None = None) -> dict:
+    """Every task of the tree, as JSON-able entries, and the files the analysis read
+    (``previous``, the last analysis, supplies the compiler's identity if it has gone)."""
+    import ipubuild
+    from .files import StatMemo
+    from .store import cache_dir, cache_identity
+    watched = python_files(Path(ipubuild.__file__).parent) + search_path(root)
+    watched += [str(root / "targets")]
+    cache = cache_dir(root)
+    watched.append(str(cache / "id"))
+    tasks: list[dict] = []
+    try:
+        from . import build as b
+        from .pipeline import Workspace
+        from .targets import discover, dump_resolved, load_target
+        ws = Workspace.at(root)
+        pm = ws.plugins
+        for name, _ in pm.list_name_plugin():
+            watched += module_files(name)
+    except UserError as exc:
+        return {"tasks": [broken("build", "all", str(exc))], "watched": watched}
+    tasks.append({"kind": "plugins"})
+    cache_id = cache_identity(cache)
+    known = _known_names(pm)
+    memo = StatMemo(cache / "compilers.json")
+    compiler_cfg, machines, provisional = None, set(), False
+    for path in discover(root):
+        rel = os.path.relpath(path, root)
+        watched.append(str(path))
+        try:
+            target = load_target(rel, known=known, root=root)
+            b.check_machine(target)
+            if compiler_cfg is None:
+                compiler_cfg, cc_files = _compiler(b, memo, previous)
+                watched += cc_files
+                provisional = not cc_files
+            steps = b.target_steps(target, root, compiler_cfg)
+        except UserError as exc:
+            tasks.append(broken("build", path.stem, str(exc), f"build {path.stem} (the target file has an error)"))
+            continue
+        machine = target["target"]["machine"]
+        if machine not in machines:
+            machines.add(machine)
+            steps.insert(0, b.machine_step(machine, root))
+        tasks.extend(step_entry(ws, s, cache_id) for s in steps)
+        t = target["name"]
+        files = [[s.outputs[slot], str(p)] for s in steps for slot, p in s.files.items()]
+        out = Path("artifacts") / t
+        tasks.append({"kind": "build", "target": t, "path": target["path"], "device": target["target"]["device"],
+                      "files": files, "verdict_ref": str(ws.ref_path(f"{t}/verdict").relative_to(root)),
+                      "verdict_file": str(out / f"{t}.verdict.json"), "profile_file": str(out / f"{t}.profile.json"),
+                      "package_file": str(out / f"{t}.ipuexe"), "resolved": dump_resolved(target).decode()})
+        tasks.append({"kind": "inspect", "target": t})
+    memo.save()
+    return {"tasks": tasks, "watched": watched, "provisional": provisional}
+
+
+def step_entry(ws, step, cache_id: str | None) -> dict:
+    """One step as a task entry: the step, its signature (``Engine.signature``, with the cache's
+    identity), and its dependencies and targets as paths relative to the tree."""
+    from .engine import PHASES
+    sig = ws.engine.signature(PHASES[step.phase], step.config)
+
+    def rel(p: Path) -> str:
+        return os.path.relpath(p, ws.root) if Path(p).is_absolute() and ws.root in Path(p).parents else str(p)
+    return {"kind": "step", "step": step.to_json(), "signature": f"{sig}:{cache_id}",
+            "file_dep": [rel(ws.ref_path(a)) for a in step.inputs.values()] + [str(p) for p in step.sources.values()],
+            "targets": [rel(ws.ref_path(a)) for a in step.outputs.values()] + [str(p) for p in step.files.values()]}
+
+
+def _compiler(b, memo, previous) -> tuple[dict, list[str]]:
+    """The compiler's configuration; if the compiler cannot be run, the one the last analysis
+    found — kernels it compiled stay valid, and a kernel that must compile anew then fails with
+    the compiler's own one-line error (so a warm tree still builds without a compiler)."""
+    try:
+        return b.compiler_config(memo)
+    except UserError as exc:
+        from .kernels import compiler
+        cc, cflags = compiler()
+        for e in (previous or {}).get("tasks", []):
+            cfg = e.get("step", {}).get("config", {}).get("compiler") if e.get("kind") == "step" else None
+            if cfg and cfg.get("cc") == cc:
+                log.warning(f"{exc}; reusing kernels it compiled before")
+                return {"cc": cc, "cflags": cflags, "identity": cfg["identity"]}, []
+        raise
+
+
+def broken(basename: str, name: str, message: str, doc: str = "") -> dict:
+    return {"kind": "broken", "basename": basename, "name": name, "message": message, "doc": doc}
+
+
+def _known_names(pm) -> dict | None:
+    """Registered model families, cast policies and devices, to check targets when they load
+    (None if a plugin fails here: its error then surfaces in the phase that calls it)."""
+    from .device import backends
+    from .frontend import cast_policies, model_families
+    try:
+        return {"family": model_families(pm), "policy": sorted(cast_policies(pm)),
+                "device": sorted(backends())}
+    except UserError:
+        return None
+
+
+def python_files(folder: Path) -> list[str]:
+    """Every ``.py`` file under a package folder (and the folders, whose stat changes when a
+    module is added or removed)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__" and not d.startswith("."))
+        out.append(dirpath)
+        out.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith((".py", ".toml")))
+    return out
+
+
+def module_files(modname: str) -> list[str]:
+    """The files behind an imported module's top-level package (or the module's own file)."""
+    top = sys.modules.get(modname.split(".")[0])
+    origin = getattr(top, "__file__", None)
+    if not origin:
+        return []
+    if os.path.basename(origin) == "__init__.py":
+        return python_files(Path(origin).parent)
+    return [origin]
+
+
+def search_path(root: Path) -> list[str]:
+    """The folders Python imports from (their stat changes when a package is installed,
+    upgraded or removed) — except the tree itself, which every build writes to; modules loaded
+    from it are watched file by file."""
+    root = os.path.realpath(root)
+    return [p for p in sys.path if p and os.path.isdir(p) and os.path.realpath(p) != root]

@@ -1,0 +1,248 @@
+"""Never stuck, never wrong: damage to the cache, its references and databases, and storage
+faults either heal on the next plain build (same package as a clean build) or stop with one line
+naming the fix — never a traceback, never a request to delete ``.ipubuild`` by hand."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+from buildtree import SMALL, assert_passed, doit, env, make_tree, package, snapshot
+
+from ipubuild import canonical
+from ipubuild.engine import PHASES, Engine, phase
+from ipubuild.store import Store
+
+NAME = "small"
+TEXT = SMALL.replace("rounds = 3", "rounds = 1")
+
+
+@pytest.fixture(scope="module")
+def environ(tmp_path_factory) -> dict:
+    return snapshot(tmp_path_factory.mktemp("code"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, environ) -> bytes:
+    tree = make_tree(tmp_path_factory.mktemp("reference"), {NAME: TEXT})
+    assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
+    return package(tree, NAME)
+
+
+@pytest.fixture
+def built(tmp_path, environ) -> Path:
+    tree = make_tree(tmp_path / "tree", {NAME: TEXT})
+    assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
+    return tree
+
+
+def heals(tree: Path, environ: dict, reference: bytes, *, says: str | None = None):
+    run = doit(tree, f"build:{NAME}", environ=environ)
+    assert_passed(run, NAME)
+    assert package(tree, NAME) == reference
+    if says:
+        assert says in run.output, run.tail()
+    settled = doit(tree, f"build:{NAME}", environ=environ)
+    assert settled.returncode == 0 and settled.executed == [], settled.tail()
+    return run
+
+
+# --- provenance without cycles (engine) ---------------------------------------------------------
+
+def test_a_blob_that_is_its_own_producers_input_is_rebuilt_by_its_first_producer(tmp_path):
+    """``optimize`` outputs its input unchanged (as optimize_exchange_placement may): the blob
+    then has two producers, one of which needs the blob itself. Rebuilding it must use the other,
+    and must not recurse."""
+    make, keep = f"make_{uuid.uuid4().hex[:6]}", f"keep_{uuid.uuid4().hex[:6]}"
+    calls = []
+
+    @phase(make, inputs=("seed",), outputs=("table",))
+    def _make(ctx):
+        calls.append(make)
+        return {"table": ctx.bytes("seed") * 3}
+
+    @phase(keep, inputs=("table",), outputs=("placed",))
+    def _keep(ctx):
+        calls.append(keep)
+        return {"placed": ctx.bytes("table")}
+
+    store = Store(tmp_path / "cache")
+    try:
+        eng = Engine(store)
+        seed = store.put(b"xyz", pin=True)
+        table = eng.run(make, {"seed": seed}, {}).outputs["table"]
+        placed = eng.run(keep, {"table": table}, {}).outputs["placed"]
+        assert placed == table and len(store.get_provenance(table)) == 2
+        store.drop(table)
+        assert Engine(store).fetch(placed) == b"xyzxyzxyz"
+        assert calls == [make, keep, make]
+    finally:
+        store.close()
+        PHASES.pop(make)
+        PHASES.pop(keep)
+
+
+# --- whole builds --------------------------------------------------------------------------------
+
+def test_a_tiny_cache_still_builds(tmp_path, environ, reference):
+    tree = make_tree(tmp_path / "tree", {NAME: TEXT})
+    small = dict(environ, IPUBUILD_CACHE_SIZE="1000000")
+    assert_passed(doit(tree, f"build:{NAME}", environ=small), NAME)
+    assert package(tree, NAME) == reference
+    # a change that needs results the tiny cache evicted after the first build
+    (tree / "targets" / f"{NAME}.toml").write_text(TEXT + "[numerics]\nmin_cosine = 0.995\n")
+    run = doit(tree, f"build:{NAME}", environ=small)
+    assert_passed(run, NAME)
+    assert package(tree, NAME) == reference
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "deleted"])
+def test_a_damaged_reference_is_remade(built, environ, reference, damage):
+    for artifact in ("placed_exchanges", "graph"):
+        ref = built / ".ipubuild" / "refs" / NAME / f"{artifact}.ref"
+        if damage == "deleted":
+            ref.unlink()
+        else:
+            ref.write_bytes(b"\x00garbage\xff" if damage == "garbage" else b"")
+    heals(built, environ, reference)
+
+
+def test_a_deleted_cache_is_rebuilt(built, environ, reference):
+    shutil.rmtree(built / ".ipubuild" / "cache")
+    heals(built, environ, reference)
+
+
+def test_a_changed_cache_directory_is_filled(built, environ, reference, tmp_path):
+    heals(built, dict(environ, IPUBUILD_CACHE_DIR=str(tmp_path / "elsewhere")), reference)
+
+
+def test_lost_action_records_and_blobs_are_rebuilt(built, environ, reference):
+    """The blob store emptied behind doit's back: refs point at blobs no provenance can rebuild
+    from (their sources went too), so the steps that made them run again."""
+    shutil.rmtree(built / ".ipubuild" / "cache" / "cas")
+    shutil.rmtree(built / ".ipubuild" / "cache" / "actions")
+    os.unlink(built / "artifacts" / NAME / f"{NAME}.ipuexe")
+    heals(built, environ, reference)
+
+
+@pytest.mark.parametrize("db", [".doit.db", ".ipubuild/cache/cas/cache.db", ".ipubuild/cache/actions/cache.db"])
+def test_a_damaged_database_is_moved_aside(built, environ, reference, db):
+    path = built / db
+    path.write_bytes(b"this is not a database" * 100)
+    # a build that must read the cache: a numerics gate changed, and the package file is gone
+    (built / "targets" / f"{NAME}.toml").write_text(TEXT + "[numerics]\nmin_cosine = 0.995\n")
+    (built / "artifacts" / NAME / f"{NAME}.ipuexe").unlink()
+    run = heals(built, environ, reference, says="moved a damaged")
+    assert list(path.parent.glob(f"{path.name.split('/')[-1]}.corrupt-*")) or \
+        list(path.parent.parent.glob(f"{path.parent.name}.corrupt-*")), run.tail()
+
+
+def test_a_warm_tree_builds_without_its_compiler(tmp_path, environ):
+    cc = tmp_path / "bin" / "cc"
+    cc.parent.mkdir()
+    cc.write_text('#!/bin/sh\nexec gcc "$@"\n')
+    cc.chmod(0o755)
+    with_cc = dict(environ, IPUBUILD_CC=str(cc))
+    tree = make_tree(tmp_path / "tree", {NAME: TEXT})
+    assert_passed(doit(tree, f"build:{NAME}", environ=with_cc), NAME)
+    cc.unlink()                                   # the compiler is uninstalled
+    run = doit(tree, f"build:{NAME}", environ=with_cc)
+    assert run.returncode == 0 and "numericalTest=PASS" in run.stdout, run.tail()
+    assert run.executed == [] and "Traceback" not in run.output, run.tail()
+    # something that must compile now fails in one line naming the compiler
+    bad = doit(tree, f"build:{NAME}", environ=dict(with_cc, IPUBUILD_CFLAGS="-O1 -std=c11 -fPIC -shared"))
+    assert bad.returncode != 0 and "Traceback" not in bad.output, bad.tail()
+    assert len(bad.error_lines) == 1 and str(cc) in bad.error_lines[0], bad.tail()
+
+
+# --- storage faults --------------------------------------------------------------------------------
+
+def _mount(*args) -> bool:
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    where = tmp_path / "disk"
+    where.mkdir()
+    if os.geteuid() != 0 or not _mount("-t", "tmpfs", "-o", "size=2m", "tmpfs", str(where)):
+        pytest.skip("needs permission to mount a small tmpfs (root with CAP_SYS_ADMIN)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def test_a_full_disk_stops_with_one_line_every_time(tmp_path, environ, small_disk):
+    tree = make_tree(tmp_path / "tree", {NAME: TEXT})
+    full = dict(environ, IPUBUILD_CACHE_DIR=str(small_disk / "cache"))
+    for attempt in (1, 2):
+        run = doit(tree, f"build:{NAME}", environ=full)
+        assert run.returncode != 0, run.tail()
+        assert "Traceback" not in run.output, run.tail()
+        assert len(run.error_lines) == 1, run.tail()
+        assert "disk is full" in run.error_lines[0], run.error_lines[0]
+    # room again: the same cache builds, with nothing half-written in it
+    subprocess.run(["mount", "-o", "remount,size=256m", str(small_disk)], check=True)
+    assert_passed(doit(tree, f"build:{NAME}", environ=full), NAME)
+
+
+def test_a_read_only_cache_serves_a_no_op_and_names_the_fix(tmp_path, environ, reference):
+    tree = make_tree(tmp_path / "tree", {NAME: TEXT})
+    assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)
+    cache = tree / ".ipubuild" / "cache"
+    if os.geteuid() != 0 or not (_mount("--bind", str(cache), str(cache))
+                                 and _mount("-o", "remount,ro,bind", str(cache))):
+        pytest.skip("needs permission to bind-mount the cache read-only")
+    try:
+        noop = doit(tree, f"build:{NAME}", environ=environ)
+        assert noop.returncode == 0 and noop.executed == [], noop.tail()
+        (tree / "targets" / f"{NAME}.toml").write_text(TEXT.replace("mlp = 128", "mlp = 96"))
+        run = doit(tree, f"build:{NAME}", environ=environ)
+        assert run.returncode != 0 and "Traceback" not in run.output, run.tail()
+        assert len(run.error_lines) == 1, run.tail()
+        line = run.error_lines[0]
+        assert str(cache) in line and "read-only" in line and "IPUBUILD_CACHE_DIR" in line, line
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], capture_output=True)
+
+
+# --- the search state -------------------------------------------------------------------------------
+
+def _state(tree: Path) -> Path:
+    return tree / ".ipubuild" / "search" / f"{NAME}.state.json"
+
+
+def _resign(path: Path, state: dict) -> None:
+    data = canonical.dumps(state)
+    path.write_bytes(canonical.digest(data).encode() + b"\n" + data)
+
+
+def _flip_round(tree: Path) -> None:
+    raw = _state(tree).read_bytes()
+    _state(tree).write_bytes(raw.replace(b'"round":1', b'"round":3', 1))
+
+
+def _bad_incumbent(tree: Path) -> None:
+    check, _, data = _state(tree).read_bytes().partition(b"\n")
+    state = canonical.loads(data)
+    state["incumbent"]["ops"]["0"]["plan"] = 999
+    _resign(_state(tree), state)
+
+
+def _wrong_cycles(tree: Path) -> None:
+    check, _, data = _state(tree).read_bytes().partition(b"\n")
+    state = canonical.loads(data)
+    state["cycles"] -= 1000
+    _resign(_state(tree), state)
+
+
+@pytest.mark.parametrize("tamper", [_flip_round, _bad_incumbent, _wrong_cycles],
+                         ids=["flipped round", "re-signed bad incumbent", "re-signed wrong cycles"])
+def test_a_tampered_search_state_never_changes_the_outcome(built, environ, reference, tamper):
+    assert b'"round":1' in _state(built).read_bytes()
+    tamper(built)
+    shutil.rmtree(built / ".ipubuild" / "cache")      # so that the search runs again
+    run = heals(built, environ, reference)
+    assert "ignored a search state" in run.output, run.tail()
