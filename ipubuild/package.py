@@ -8,27 +8,241 @@ the host program) at 16-byte aligned offsets, sorted by member name::
     32  u64 manifest offset   40  u64 manifest size   48  sha256 of the manifest (32 bytes)
     80  u64 file size         88  reserved (8 zero bytes)
 
-Every member is named by its sha256 in the manifest and verified when read. The reader rejects
-a wrong magic, an unknown version, a bad checksum, a truncated file, members that overlap or fall
-outside the file, member paths that could escape an extraction folder, and tile images whose
-segments overlap or fall outside tile memory.
+Every member is named by its sha256 in the manifest and verified when read. The reader accepts
+a package only if every byte a consumer reads (``summarize``, a device backend) is what the
+schema below says: the manifest, the host program and every tile image's header are canonical
+JSON, nested at most ``MAX_DEPTH`` deep (checked before parsing), of the declared types and
+bounds; member paths cannot escape an extraction folder; members, segments, exchange entries
+and bindings lie inside the file, tile memory and their tensors; tile programs and exchange
+tables decode exactly and agree with the manifest's kernels, tiles and phases. Anything else is
+a one-line :class:`PackageError` naming what is wrong.
 """
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 import re
 import struct
 from pathlib import Path
 
+import numpy as np
+
 from . import __version__, canonical
 from .errors import PackageError
 from .files import write_atomic
+from .ir import DTYPES
+from .planning import codegen
 from .planning.codegen import read_image
 
 MAGIC = b"IPUEXE\r\n"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sII16sQQ32sQ8s")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+
+
+# limits: generous for any real machine and model, small enough that no consumer's loop,
+# allocation or recursion can be driven out of bounds by a hostile package
+MAX_JSON_BYTES = 16 << 20      # the manifest, the host program, a tile image's header
+MAX_DEPTH = 32                 # JSON nesting (real documents nest at most 5 deep)
+MAX_TILES = 1 << 14
+MAX_SRAM = 1 << 24             # bytes of one tile's memory
+MAX_PHASES = 1 << 16           # host-call phases (BSP steps)
+MAX_ITEMS = 1 << 20            # entries of any list: members, segments, binding ranges
+U64 = (1 << 64) - 1
+
+
+# schema ------------------------------------------------------------------------------------
+class _Invalid(Exception):
+    """A JSON value that does not match its schema: where it is (``inputs[0].ranges[2][1]``)
+    and what is wrong with it."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path or 'the document'} {problem}")
+
+
+def _show(v) -> str:
+    """A short one-line picture of a hostile value for an error message."""
+    if isinstance(v, dict):
+        return f"an object of {len(v)} fields"
+    if isinstance(v, list):
+        return f"a list of {len(v)} items"
+    if isinstance(v, str):
+        return repr(v[:40]) + ("..." if len(v) > 40 else "")
+    return repr(v)
+
+
+class Int:
+    def __init__(self, lo: int = 0, hi: int = U64):
+        self.lo, self.hi = lo, hi
+
+    def check(self, v, path):
+        if type(v) is not int or not self.lo <= v <= self.hi:
+            raise _Invalid(path, f"is {_show(v)}, expected an integer in [{self.lo}, {self.hi}]")
+
+
+class Num:
+    """A finite int or float in ``[lo, hi]``."""
+
+    def __init__(self, lo: float, hi: float):
+        self.lo, self.hi = lo, hi
+
+    def check(self, v, path):
+        if type(v) not in (int, float) or not math.isfinite(v) or not self.lo <= v <= self.hi:
+            raise _Invalid(path, f"is {_show(v)}, expected a number in [{self.lo}, {self.hi}]")
+
+
+class Bool:
+    def check(self, v, path):
+        if type(v) is not bool:
+            raise _Invalid(path, f"is {_show(v)}, expected true or false")
+
+
+class Str:
+    """A printable string of at most ``max_len`` characters, matching ``pattern`` if given."""
+
+    def __init__(self, max_len: int = 256, pattern: str | None = None, what: str = ""):
+        self.max_len, self.pattern = max_len, pattern and re.compile(pattern)
+        self.what = what or f"a printable string of at most {max_len} characters"
+
+    def check(self, v, path):
+        if not (type(v) is str and len(v) <= self.max_len and v.isprintable()
+                and (self.pattern is None or self.pattern.fullmatch(v))):
+            raise _Invalid(path, f"is {_show(v)}, expected {self.what}")
+
+
+class Enum:
+    def __init__(self, *values):
+        self.values, self.typed = values, {(type(x), x) for x in values}
+
+    def check(self, v, path):
+        if type(v) not in (int, str) or (type(v), v) not in self.typed:
+            raise _Invalid(path, f"is {_show(v)}, expected one of {', '.join(map(repr, self.values))}")
+
+
+class List:
+    def __init__(self, item, max_len: int = MAX_ITEMS):
+        self.item, self.max_len = item, max_len
+
+    def check(self, v, path):
+        if type(v) is not list or len(v) > self.max_len:
+            raise _Invalid(path, f"is {_show(v)}, expected a list of at most {self.max_len} items")
+        for i, x in enumerate(v):
+            self.item.check(x, f"{path}[{i}]")
+
+
+class Tuple:
+    """A list of exactly ``len(items)`` items, each of its own schema."""
+
+    def __init__(self, *items):
+        self.items = items
+
+    def check(self, v, path):
+        if type(v) is not list or len(v) != len(self.items):
+            raise _Invalid(path, f"is {_show(v)}, expected a list of {len(self.items)} items")
+        for i, (schema, x) in enumerate(zip(self.items, v)):
+            schema.check(x, f"{path}[{i}]")
+
+
+class Obj:
+    """An object with exactly these fields (``extra``: other fields allowed and not looked at)."""
+
+    def __init__(self, fields: dict, extra: bool = False):
+        self.fields, self.extra = fields, extra
+
+    def check(self, v, path):
+        if type(v) is not dict:
+            raise _Invalid(path, f"is {_show(v)}, expected an object")
+        prefix = f"{path}." if path else ""
+        for name, schema in self.fields.items():
+            if name not in v:
+                raise _Invalid(prefix + name, "is missing")
+            schema.check(v[name], prefix + name)
+        if not self.extra:
+            for name in v:
+                if name not in self.fields:
+                    raise _Invalid(path, f"has an unknown field {_show(name)}")
+
+
+class Map:
+    """An object whose keys match ``key`` and whose values match ``value``."""
+
+    def __init__(self, key: Str, value, max_len: int = MAX_ITEMS):
+        self.key, self.value, self.max_len = key, value, max_len
+
+    def check(self, v, path):
+        if type(v) is not dict or len(v) > self.max_len:
+            raise _Invalid(path, f"is {_show(v)}, expected an object of at most {self.max_len} fields")
+        prefix = f"{path}." if path else ""
+        for name, x in v.items():
+            self.key.check(name, f"{path} key")
+            self.value.check(x, prefix + name)
+
+
+DIGEST = Str(64, r"[0-9a-f]{64}", "a sha256 hex digest")
+LABEL = Str()                                   # names of values, steps, targets: printed, never parsed
+KERNEL = Str(128, r"[A-Za-z_][A-Za-z0-9_.-]*", "a kernel name")
+MEMBER_PATH = Str(255, _SAFE_NAME.pattern, "a member path that cannot escape the extraction folder")
+ADDRESS, SIZE = Int(0, MAX_SRAM), Int(0, MAX_SRAM)
+COUNT, RATE = Int(0, 1 << 32), Int(1, 1 << 32)   # cycles, and per-cycle rates (divisors)
+PHASES = Obj({"phases": Int(0, MAX_PHASES)})
+
+MACHINE = Obj({                                 # what the simulator and the kernels' estimators read
+    "name": LABEL, "tiles": Int(1, MAX_TILES), "clock_hz": Num(1, 1e13), "workers": Int(1, 1 << 10),
+    "sram_base": ADDRESS, "sram_end": ADDRESS, "executable_end": ADDRESS, "loader_limit": ADDRESS,
+    "memory": Obj({"sram_base": ADDRESS, "sram_end": ADDRESS, "executable_end": ADDRESS,
+                   "loader_limit": ADDRESS}, extra=True),
+    "exchange": Obj({"bytes_per_cycle": RATE, "paired_bytes_per_cycle": RATE,
+                     "local_copy_bytes_per_cycle": RATE, "paired_setup_cycles": COUNT,
+                     "transfer_setup_cycles": COUNT, "sync_cycles": COUNT}, extra=True),
+    "compute": Obj({"vertex_overhead_cycles": COUNT, "amp_macs_per_cycle": Obj({d: RATE for d in DTYPES}),
+                    "vector_flops_per_cycle": RATE, "transcendental_cycles": COUNT,
+                    "copy_bytes_per_cycle": RATE}, extra=True),
+}, extra=True)                                  # the rest of the machine description rides along
+
+BINDING = Obj({                                 # a graph input or output and where its bytes live
+    "name": LABEL, "dtype": Enum(*DTYPES), "shape": List(Int(0, 1 << 31), 8),
+    "scale_exp": Int(-(1 << 31), (1 << 31) - 1),
+    "ranges": List(Tuple(Int(0, U64), SIZE, Int(0, MAX_TILES - 1), ADDRESS)),   # [offset, size, tile, address]
+})
+
+MANIFEST = Obj({
+    "format": Enum(FORMAT_VERSION), "compiler": Str(64), "target": LABEL,
+    "tiles": Int(1, MAX_TILES), "used_tiles": Int(0, MAX_TILES),
+    "idle_image": DIGEST, "tile_images": List(DIGEST, MAX_TILES),
+    "machine": MACHINE,
+    "kernels": Map(KERNEL, DIGEST, 1 << 12),
+    "host": Obj({"initialize": PHASES, "run": PHASES, "program": DIGEST}),
+    "inputs": List(BINDING, 1 << 12), "outputs": List(BINDING, 1 << 12),
+    "members": List(Tuple(MEMBER_PATH, Int(0, U64), Int(0, U64), DIGEST), 1 << 16),   # [path, offset, size, sha256]
+})
+
+HOST_PROGRAM = Obj({                            # member host/program.json
+    "initialize": PHASES, "run": PHASES,
+    "steps": List(LABEL, MAX_PHASES), "paired": List(Bool(), MAX_PHASES),   # per run phase
+    "inputs": List(BINDING, 1 << 12), "outputs": List(BINDING, 1 << 12),
+})
+
+IMAGE_ARRAYS = List(Tuple(                      # a tile image's array table (ipubuild.tensors layout)
+    Str(32, r"header|program|exchange|data@[0-9]{1,10}", "header, program, exchange or data@<address>"),
+    Enum("|u1"), Tuple(Int(0, U64)), Int(0, U64), Int(0, U64)),
+    MAX_ITEMS)                                  # [name, dtype, [size], offset, size]: placed in order
+
+TILE_IMAGE = Obj({                              # a tile image's header
+    "tile_image": Enum(1),
+    "segments": List(Tuple(Enum("kernel", "program", "exchange", "data"), LABEL, ADDRESS, SIZE, DIGEST)),
+})                                              # [kind, name, address, size, sha256]
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep the brackets of JSON text nest outside its strings, without parsing it."""
+    text = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    opens = (text == ord("[")) | (text == ord("{"))
+    closes = (text == ord("]")) | (text == ord("}"))
+    return int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
 
 
 def _align(x: int, a: int = 16) -> int:
@@ -67,32 +281,52 @@ def write_package(manifest: dict, members: dict[str, bytes]) -> bytes:
 
 
 class Package:
-    """A validated package: its manifest, and verified member bytes by name or digest."""
+    """A validated package: its manifest, and verified member bytes by name or digest.
+
+    ``images`` maps each tile image's digest to ``(header, {array name: bytes})``.
+    """
 
     def __init__(self, data: bytes, where: str = "package"):
         self.data, self.where = data, where
-        self.manifest = self._validate()
+        self.manifest = self._check()
 
     def _fail(self, message: str):
         raise PackageError(self.where, message)
 
-    def _validate(self) -> dict:
+    def _document(self, raw: bytes, schema, what: str):
+        """Parse canonical JSON ``raw`` and check it against ``schema``."""
+        if len(raw) > MAX_JSON_BYTES:
+            self._fail(f"{what} is larger than {MAX_JSON_BYTES} bytes")
+        if _nesting(raw) > MAX_DEPTH:
+            self._fail(f"{what} nests deeper than {MAX_DEPTH} levels")
         try:
-            return self._check()
-        except (TypeError, KeyError, ValueError, IndexError, AttributeError, struct.error) as exc:
-            # a well-formed JSON manifest of the wrong shape: never a traceback for the user
-            self._fail(f"manifest is not valid ({type(exc).__name__})")
+            value = json.loads(raw.decode("ascii"))
+        except ValueError:          # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            self._fail(f"{what} is not valid JSON")
+        try:
+            schema.check(value, "")
+        except _Invalid as exc:
+            self._fail(f"{what} is not valid: {exc}")
+        try:
+            canonical_form = canonical.dumps(value) == raw
+        except ValueError:          # NaN or infinity where the schema looks at nothing
+            canonical_form = False
+        if not canonical_form:
+            self._fail(f"{what} is not in canonical form")
+        return value
 
     def _check(self) -> dict:
         d = self.data
         if len(d) < HEADER.size:
             self._fail(f"truncated: {len(d)} bytes is shorter than the {HEADER.size}-byte header")
-        magic, version, flags, compiler, moff, msize, mhash, total, _ = HEADER.unpack_from(d)
+        magic, version, flags, compiler, moff, msize, mhash, total, reserved = HEADER.unpack_from(d)
         if magic != MAGIC:
             self._fail("not an ipubuild package (wrong magic)")
         if version != FORMAT_VERSION:
             self._fail(f"unknown format version {version}; this reader knows {FORMAT_VERSION}: "
                        "rebuild the package with this ipubuild")
+        if flags != 0 or reserved != b"\0" * 8:
+            self._fail("unknown header flags or reserved bytes")
         if total != len(d):
             self._fail(f"truncated or padded: header says {total} bytes, file has {len(d)}")
         if moff != HEADER.size or moff + msize > len(d):
@@ -100,31 +334,37 @@ class Package:
         raw = d[moff:moff + msize]
         if hashlib.sha256(raw).digest() != mhash:
             self._fail("bad checksum of the manifest")
-        try:
-            m = canonical.loads(raw)
-            members = m["members"]
-        except (ValueError, KeyError, TypeError):
-            self._fail("manifest is not valid")
-        self.compiler = compiler.rstrip(b"\0").decode(errors="replace")
+        m = self._document(raw, MANIFEST, "manifest")
+        if compiler != m["compiler"].encode()[:16].ljust(16, b"\0"):
+            self._fail(f"the header's compiler field is not the manifest's compiler {_show(m['compiler'])}")
+        self.compiler = m["compiler"]
+        self._check_members(m["members"], moff + msize)
+        self._check_machine(m)
+        used = self._check_tiles(m)
+        host = self._check_host(m)
+        self.images = {}
+        for digest in sorted(set(m["tile_images"])):
+            self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
+                                              host["run"]["phases"])
+        for side in ("inputs", "outputs"):
+            self._check_bindings(m, side, used)
+        return m
+
+    def _check_members(self, members: list, start: int) -> None:
+        d = self.data
         spans, self.by_name, self.by_digest = [], {}, {}
-        for entry in members:
-            if not (isinstance(entry, list) and len(entry) == 4):
-                self._fail("malformed member entry")
-            name, off, size, digest = entry
-            if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name.split("/"):
-                self._fail(f"member path {name!r} could escape the extraction folder")
-            if not (isinstance(off, int) and isinstance(size, int)) or off < moff + msize or off + size > len(d) or size < 0:
+        for name, off, size, digest in members:
+            if off < start or off + size > len(d):
                 self._fail(f"member {name} lies outside the file")
             spans.append((off, off + size, name))
             self.by_name[name] = (off, size, digest)
             self.by_digest[digest] = name
-        names = set(self.by_name)
-        if len(names) != len(members):
+        if len(self.by_name) != len(members):
             self._fail("duplicate member names")
-        for name in names:
+        for name in self.by_name:
             parts = name.split("/")
             for i in range(1, len(parts)):
-                if "/".join(parts[:i]) in names:
+                if "/".join(parts[:i]) in self.by_name:
                     self._fail(f"member {'/'.join(parts[:i])} is also the folder of member {name}")
         spans.sort()
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
@@ -133,54 +373,164 @@ class Package:
         for name, (off, size, digest) in self.by_name.items():
             if canonical.digest(d[off:off + size]) != digest:
                 self._fail(f"bad checksum of member {name}")
-        self._check_tiles(m)
-        return m
 
-    def _check_tiles(self, m: dict) -> None:
-        try:
-            mem = m["machine"]
-            tiles, images, kernels = m["tiles"], m["tile_images"], m["kernels"]
-            lo, hi, xend = mem["sram_base"], mem["loader_limit"], mem["executable_end"]
-            if not (isinstance(kernels, dict) and isinstance(images, list) and isinstance(tiles, int)):
-                raise TypeError
-        except (KeyError, TypeError):
-            self._fail("manifest lacks the machine, tile or kernel tables")
+    def _check_machine(self, m: dict) -> None:
+        mc = m["machine"]
+        if not mc["sram_base"] <= mc["executable_end"] <= mc["loader_limit"] <= mc["sram_end"]:
+            self._fail("machine: expected sram_base <= executable_end <= loader_limit <= sram_end")
+        for k in ("sram_base", "sram_end", "executable_end", "loader_limit"):
+            if mc["memory"][k] != mc[k]:
+                self._fail(f"machine: memory.{k} is {mc['memory'][k]}, not {k} {mc[k]}")
+        if mc["tiles"] != m["tiles"]:
+            self._fail(f"machine has {mc['tiles']} tiles, the manifest {m['tiles']}")
+
+    def _check_tiles(self, m: dict) -> set[int]:
+        """The tiles that do not run the idle image (the ones a device loads)."""
+        tiles, images, idle = m["tiles"], m["tile_images"], m["idle_image"]
         if len(images) != tiles:
             self._fail(f"{len(images)} tile images for {tiles} tiles")
-        self.images = {}
+        if m["used_tiles"] > tiles or any(d != idle for d in images[m["used_tiles"]:]):
+            self._fail(f"used_tiles {m['used_tiles']}: a tile past it does not run the idle image")
         for digest in sorted(set(images)):
             if digest not in self.by_digest:
                 self._fail(f"tile image {digest[:16]} is not in the package")
-            try:
-                header, blobs = read_image(self.member(self.by_digest[digest]))
-                segments = header["segments"]
-                if not all(isinstance(s, list) and len(s) == 5 for s in segments):
-                    raise ValueError("segment arity")
-            except (ValueError, KeyError, TypeError, UnicodeDecodeError, struct.error):
-                self._fail(f"tile image {digest[:16]} is malformed")
-            prev_end, prev = 0, None
-            for kind, name, addr, size, sd in sorted(segments, key=lambda s: s[2]):
-                if not (isinstance(addr, int) and isinstance(size, int)) or addr < lo or addr + size > hi:
-                    self._fail(f"segment {name} of tile image {digest[:16]} at {addr} (+{size}) is "
-                               f"outside tile memory [{lo}, {hi})")
-                if kind != "data" and addr + size > xend:
-                    self._fail(f"code segment {name} at {addr} is outside the executable region")
-                if addr < prev_end:
-                    self._fail(f"segments {prev} and {name} of tile image {digest[:16]} overlap")
-                prev_end, prev = addr + size, name
-                if kind == "kernel":
-                    if kernels.get(name) != sd:
-                        self._fail(f"tile image {digest[:16]} uses kernel {name} not in the package")
-                elif kind in ("program", "exchange"):
-                    if canonical.digest(blobs.get(kind, b"")) != sd:
-                        self._fail(f"bad checksum of the {kind} segment of tile image {digest[:16]}")
-                elif canonical.digest(blobs.get(f"data@{addr}", b"")) != sd:
-                    self._fail(f"bad checksum of data segment {name} of tile image {digest[:16]}")
-            self.images[digest] = (header, blobs)
-        for binding in m.get("inputs", []) + m.get("outputs", []):
-            for off, size, tile, addr in binding["ranges"]:
-                if not 0 <= tile < tiles or addr < lo or addr + size > hi:
-                    self._fail(f"binding of {binding['name']} to tile {tile} address {addr} is out of range")
+        for name, digest in sorted(m["kernels"].items()):
+            if digest not in self.by_digest:
+                self._fail(f"object {digest[:16]} of kernel {name} is not in the package")
+        return {t for t, d in enumerate(images) if d != idle}
+
+    def _check_host(self, m: dict) -> dict:
+        host = m["host"]
+        if self.by_name.get("host/program.json", (0, 0, None))[2] != host["program"]:
+            self._fail(f"host program {host['program'][:16]} is not the package's member host/program.json")
+        p = self._document(self.member("host/program.json"), HOST_PROGRAM, "host program")
+        same = {"initialize": host["initialize"], "run": host["run"], "inputs": m["inputs"], "outputs": m["outputs"]}
+        for k, v in same.items():
+            if p[k] != v:
+                self._fail(f"host program: {k} differs from the manifest's")
+        phases = host["run"]["phases"]
+        for k in ("steps", "paired"):
+            if len(p[k]) != phases:
+                self._fail(f"host program: {len(p[k])} {k} for {phases} run phases")
+        return host
+
+    def _image(self, m: dict, digest: str, used: set | None, phases: int) -> tuple[dict, dict]:
+        """A tile image's header and arrays; ``used`` (the loaded tiles) unless it is the idle
+        image: then it must also carry a program and an exchange table for ``phases`` phases."""
+        what = f"tile image {digest[:16]}"
+        blob = self.member(self.by_digest[digest])
+        if len(blob) < 4 or 4 + struct.unpack_from("<I", blob)[0] > len(blob):
+            self._fail(f"{what} is malformed: truncated")
+        base = 4 + struct.unpack_from("<I", blob)[0]
+        arrays, pos = {}, base
+        for name, _, (length,), off, size in self._document(blob[4:base], IMAGE_ARRAYS, f"{what} array table"):
+            if (arrays and name <= next(reversed(arrays))) or length != size or base + off != pos:
+                self._fail(f"{what} is malformed: array {name} is out of order or place")
+            arrays[name], pos = blob[pos:pos + size], pos + size
+        if pos != len(blob) or "header" not in arrays:
+            self._fail(f"{what} is malformed: its arrays do not fill it or lack the header")
+        header = self._document(arrays.pop("header"), TILE_IMAGE, what)
+        self._check_segments(m, what, header["segments"], arrays)
+        if used is not None:
+            kinds = [s[0] for s in header["segments"]]
+            if kinds.count("program") != 1 or kinds.count("exchange") != 1:
+                self._fail(f"{what} is loaded on a tile but lacks its program or exchange table")
+            kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
+            self._check_program(what, arrays["program"], kernels, phases)
+            self._check_exchange(m, what, arrays["exchange"], used, phases)
+        return header, arrays
+
+    def _check_segments(self, m: dict, what: str, segments: list, arrays: dict) -> None:
+        mc = m["machine"]
+        lo, hi, xend = mc["sram_base"], mc["loader_limit"], mc["executable_end"]
+        kinds, blobs = set(), set()
+        prev_end, prev = 0, None
+        for kind, name, addr, size, sd in sorted(segments, key=lambda s: (s[2], s[3])):
+            if addr < lo or addr + size > hi:
+                self._fail(f"segment {name} of {what} at {addr} (+{size}) is outside tile memory [{lo}, {hi})")
+            if kind != "data" and addr + size > xend:
+                self._fail(f"code segment {name} at {addr} is outside the executable region")
+            if addr < prev_end:
+                self._fail(f"segments {prev} and {name} of {what} overlap")
+            prev_end, prev = addr + size, name
+            if kind == "kernel":
+                if (kind, name) in kinds:
+                    self._fail(f"{what} reserves kernel {name} twice")
+                if m["kernels"].get(name) != sd:
+                    self._fail(f"{what} uses kernel {name} not in the package")
+                kinds.add((kind, name))
+                continue
+            key = kind if kind != "data" else f"data@{addr}"
+            if key in blobs:
+                self._fail(f"{what} has two {kind} segments at {addr}" if kind == "data"
+                           else f"{what} has two {kind} segments")
+            blobs.add(key)
+            if key not in arrays or canonical.digest(arrays[key]) != sd:
+                self._fail(f"bad checksum of the {kind} segment of {what}" if kind != "data"
+                           else f"bad checksum of data segment {name} of {what}")
+            if len(arrays[key]) != size:
+                self._fail(f"{kind} segment {name} of {what} holds {len(arrays[key])} bytes, not {size}")
+        if set(arrays) != blobs:
+            self._fail(f"{what} has arrays no segment places: {', '.join(sorted(set(arrays) - blobs))}")
+
+    def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> None:
+        try:
+            names, steps = codegen.decode_program(raw)
+            exact = codegen.encode_program(names, steps) == raw
+        except (ValueError, struct.error):
+            exact = False
+        if not exact:
+            self._fail(f"the program of {what} does not decode")
+        for name in names:
+            if name not in kernels:
+                self._fail(f"the program of {what} calls kernel {_show(name)} the image does not hold")
+        prev = -1
+        for step, verts in steps:
+            if not prev < step < phases:
+                self._fail(f"the program of {what} has step {step} out of order or past {phases} run phases")
+            prev = step
+            if any(k >= len(names) for k, _ in verts):
+                self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
+
+    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int) -> None:
+        try:
+            table = codegen.decode_exchange(raw)
+            exact = codegen.encode_exchange(table) == raw
+        except (ValueError, struct.error):
+            exact = False
+        if not exact:
+            self._fail(f"the exchange table of {what} does not decode")
+        mc = m["machine"]
+        e = table.astype(np.int64)                       # [step, src tile, addr, stride, dst tile, addr, stride, rows, row bytes]
+        rows, rb = e[:, 7], e[:, 8]
+        bad = e[:, 0] >= phases
+        for tile, addr, stride in ((e[:, 1], e[:, 2], e[:, 3]), (e[:, 4], e[:, 5], e[:, 6])):
+            bad |= ~np.isin(tile, sorted(used)) | (addr < mc["sram_base"])
+            bad |= addr + np.maximum(rows - 1, 0) * stride + rb > mc["loader_limit"]
+        if bad.any():
+            i = int(np.argmax(bad))
+            self._fail(f"entry {i} {table[i].tolist()} of the exchange table of {what} is past the run "
+                       "phases, a loaded tile or tile memory")
+
+    def _check_bindings(self, m: dict, side: str, used: set) -> None:
+        mc = m["machine"]
+        lo, hi = mc["sram_base"], mc["loader_limit"]
+        names = set()
+        for b in m[side]:
+            name = b["name"]
+            if name in names:
+                self._fail(f"{side}: {name} is bound twice")
+            names.add(name)
+            nbytes = math.prod(b["shape"]) * DTYPES[b["dtype"]]
+            if nbytes > m["tiles"] * mc["sram_end"]:
+                self._fail(f"{side}: {name} of shape {b['shape']} is larger than the device's memory")
+            for off, size, tile, addr in b["ranges"]:
+                if tile >= m["tiles"] or addr < lo or addr + size > hi:
+                    self._fail(f"binding of {name} to tile {tile} address {addr} is out of range")
+                if tile not in used:
+                    self._fail(f"binding of {name} to tile {tile}: that tile runs the idle image")
+                if off + size > nbytes:
+                    self._fail(f"binding of {name}: bytes [{off}, {off + size}) are past its {nbytes} bytes")
 
     def member(self, name: str) -> bytes:
         off, size, digest = self.by_name[name]

@@ -30,7 +30,7 @@ KERNEL = b"\x7fELF-fake-kernel-object" * 5
 def _image(kernel_addr=CODE, kernel_size=4096, program_addr=None, exchange_addr=None, data=None,
            kernel_digest=None):
     prog = codegen.encode_program(["x"], [[0, [[0, [DATA, 3, 7]]]]])
-    xch = codegen.encode_exchange([[0, 0, DATA, 16, 1, DATA + 4096, 16, 1, 16]])
+    xch = codegen.encode_exchange([[0, 0, DATA, 16, 0, DATA + 4096, 16, 1, 16]])
     program_addr = kernel_addr + kernel_size if program_addr is None else program_addr
     exchange_addr = program_addr + len(prog) if exchange_addr is None else exchange_addr
     code = {"program": prog, "exchange": xch,
@@ -42,28 +42,34 @@ def _image(kernel_addr=CODE, kernel_size=4096, program_addr=None, exchange_addr=
     return codegen.build_image(code, data, [["x", kernel_addr, kernel_size, kd]])
 
 
-def make(image0=None, *, tiles=2, extra_members=None, **over):
-    """(manifest, members) of a small valid package: tile 0 runs kernel x, tile 1 is idle."""
+def make(image0=None, *, tiles=2, extra_members=None, host=None, **over):
+    """(manifest, members) of a small valid package: tile 0 runs kernel x, tile 1 is idle.
+    ``over`` replaces manifest fields (the host program follows its inputs and outputs);
+    ``host`` replaces host program fields."""
     img0 = _image() if image0 is None else image0
     idle = codegen.build_image({}, {}, [])
     d0, d1 = canonical.digest(img0), canonical.digest(idle)
-    host = canonical.dumps({"initialize": {"phases": 1}, "run": {"phases": 1}})
-    members = {f"images/{d0}.img": img0, f"images/{d1}.img": idle, "kernels/x.so": KERNEL,
-               "host/program.json": host}
-    members.update(extra_members or {})
     manifest = {
         "format": FORMAT_VERSION, "compiler": __version__, "target": "synthetic", "tiles": tiles,
         "used_tiles": 1, "idle_image": d1, "tile_images": ([d0] + [d1] * (tiles - 1)),
-        "machine": {**MACHINE, "sram_base": MEM["sram_base"], "sram_end": MEM["sram_end"],
+        "machine": {**MACHINE, "tiles": tiles, "sram_base": MEM["sram_base"], "sram_end": MEM["sram_end"],
                     "executable_end": MEM["executable_end"], "loader_limit": MEM["loader_limit"]},
         "kernels": {"x": canonical.digest(KERNEL)},
-        "host": {"initialize": {"phases": 1}, "run": {"phases": 1}, "program": canonical.digest(host)},
+        "host": {"initialize": {"phases": 1}, "run": {"phases": 1}},
         "inputs": [{"name": "in", "dtype": "f32", "shape": [16], "scale_exp": 0,
                     "ranges": [[0, 64, 0, DATA + 8192]]}],
         "outputs": [{"name": "out", "dtype": "f32", "shape": [4], "scale_exp": 0,
-                     "ranges": [[0, 16, 1, DATA]]}],
+                     "ranges": [[0, 16, 0, DATA + 8192 + 64]]}],
     }
     manifest.update(over)
+    program = canonical.dumps({"initialize": {"phases": 1}, "run": {"phases": 1}, "steps": ["step0"],
+                               "paired": [False], "inputs": manifest["inputs"], "outputs": manifest["outputs"],
+                               **(host or {})})
+    if isinstance(manifest.get("host"), dict):
+        manifest["host"] = {**manifest["host"], "program": canonical.digest(program)}
+    members = {f"images/{d0}.img": img0, f"images/{d1}.img": idle, "kernels/x.so": KERNEL,
+               "host/program.json": program}
+    members.update(extra_members or {})
     return manifest, members
 
 
@@ -133,7 +139,7 @@ def test_round_trip(valid, tmp_path):
     head, blobs = pkg.tile_image(0)
     assert [s[0] for s in head["segments"]] == ["kernel", "program", "exchange", "data", "data"]
     assert codegen.decode_program(blobs["program"]) == (["x"], [(0, [(0, [DATA, 3, 7])])])
-    assert codegen.decode_exchange(blobs["exchange"]).tolist() == [[0, 0, DATA, 16, 1, DATA + 4096, 16, 1, 16]]
+    assert codegen.decode_exchange(blobs["exchange"]).tolist() == [[0, 0, DATA, 16, 0, DATA + 4096, 16, 1, 16]]
     assert np.frombuffer(blobs[f"data@{DATA}"], np.float32).tolist() == list(range(32))
     assert pkg.tile_image(1)[0]["segments"] == []
     f = tmp_path / "app.ipuexe"
@@ -239,7 +245,7 @@ def test_overlapping_members(valid):
     def tweak(table):
         k = next(e for e in table if e[0] == "kernels/x.so")
         h = next(e for e in table if e[0] == "host/program.json")
-        h[1] = k[1] + 8
+        k[1] = h[1] + 8
     reject(forge(manifest, members, tweak), r"^members .* and .* overlap$")
 
 
@@ -255,7 +261,10 @@ def test_member_outside_file(valid, where):
             e[1] = HEADER.size + 4
         else:
             e[2] = -1
-    reject(forge(manifest, members, tweak), r"^member kernels/x\.so lies outside the file$")
+    if where == "negative":
+        reject(forge(manifest, members, tweak), r"^manifest is not valid: members\[\d\]\[2\] is -1, expected an integer")
+    else:
+        reject(forge(manifest, members, tweak), r"^member kernels/x\.so lies outside the file$")
 
 
 @pytest.mark.parametrize("name", ["../evil.so", "kernels/../../evil.so", "/tmp/evil.so", "/etc/passwd",
@@ -263,7 +272,8 @@ def test_member_outside_file(valid, where):
 def test_hostile_member_paths(valid, name):
     manifest, members, _ = valid
     hostile = {**members, name: b"evil"}
-    reject(forge(manifest, hostile), r"could escape the extraction folder")
+    reject(forge(manifest, hostile), r"^manifest is not valid: members\[\d\]\[0\] is .*, expected a member path "
+                                     r"that cannot escape the extraction folder$")
 
 
 def test_malformed_member_entry(valid):
@@ -271,7 +281,8 @@ def test_malformed_member_entry(valid):
 
     def tweak(table):
         table[0] = table[0][:3]
-    reject(forge(manifest, members, tweak), "^malformed member entry$")
+    reject(forge(manifest, members, tweak), r"^manifest is not valid: members\[0\] is a list of 3 items, "
+                                            r"expected a list of 4 items$")
 
 
 def test_tile_image_count(valid):
@@ -289,7 +300,7 @@ def test_tile_image_not_in_package(valid):
 def test_machine_missing(valid):
     manifest, members, _ = valid
     m = {k: v for k, v in manifest.items() if k != "machine"}
-    reject(write_package(m, members), "lacks the machine, tile or kernel tables")
+    reject(write_package(m, members), "^manifest is not valid: machine is missing$")
 
 
 def test_malformed_tile_image(valid):
@@ -297,7 +308,7 @@ def test_malformed_tile_image(valid):
     img = b"\x05\x00\x00\x00nope!"
     d = canonical.digest(img)
     m, mem = make(tile_images=[d, manifest["tile_images"][1]], extra_members={f"images/{d}.img": img})
-    reject(write_package(m, mem), rf"^tile image {d[:16]} is malformed$")
+    reject(write_package(m, mem), rf"^tile image {d[:16]} array table is not valid JSON$")
 
 
 @pytest.mark.parametrize("addr", [MEM["sram_base"] - 16, MEM["loader_limit"] - 8, MEM["sram_end"] + 64])
@@ -335,15 +346,28 @@ def test_kernel_not_in_package():
     reject(write_package(m, mem), r"uses kernel x not in the package$")
 
 
-@pytest.mark.parametrize("binding", [[0, 64, 2, DATA], [0, 64, -1, DATA], [0, 64, 0, MEM["sram_base"] - 4],
-                                     [0, 64, 1, MEM["loader_limit"] - 32]])
+def _bind(valid, side, binding):
+    m = copy.deepcopy(valid[0])
+    m[side][0]["ranges"].append(binding)
+    return write_package(*make(inputs=m["inputs"], outputs=m["outputs"]))
+
+
+@pytest.mark.parametrize("binding", [[0, 16, 2, DATA], [0, 16, 0, MEM["sram_base"] - 4],
+                                     [0, 16, 0, MEM["loader_limit"] - 8]])
 @pytest.mark.parametrize("side", ["inputs", "outputs"])
 def test_binding_out_of_range(valid, binding, side):
-    manifest, members, _ = valid
-    m = copy.deepcopy(manifest)
-    m[side][0]["ranges"].append(binding)
-    name = m[side][0]["name"]
-    reject(write_package(m, members), rf"^binding of {name} to tile {binding[2]} address {binding[3]} is out of range$")
+    name = valid[0][side][0]["name"]
+    reject(_bind(valid, side, binding), rf"^binding of {name} to tile {binding[2]} address {binding[3]} is out of range$")
+
+
+@pytest.mark.parametrize("side", ["inputs", "outputs"])
+def test_binding_to_an_idle_tile_or_past_its_tensor(valid, side):
+    name = valid[0][side][0]["name"]
+    reject(_bind(valid, side, [0, 16, 1, DATA]), rf"^binding of {name} to tile 1: that tile runs the idle image$")
+    reject(_bind(valid, side, [8, 16, 0, DATA]) if side == "outputs" else _bind(valid, side, [56, 16, 0, DATA]),
+           rf"^binding of {name}: bytes \[\d+, \d+\) are past its \d+ bytes$")
+    reject(_bind(valid, side, [0, 16, -1, DATA]), rf"^manifest is not valid: {side}\[0\]\.ranges\[1\]\[2\] is -1, "
+                                                  r"expected an integer in \[0, \d+\]$")
 
 
 # hostile packages that escape as other exceptions ------------------------------------------
@@ -352,7 +376,7 @@ def test_tiny_tile_image_is_a_package_error(valid):
     img = b"\x01"
     d = canonical.digest(img)
     m, mem = make(tile_images=[d, manifest["tile_images"][1]], extra_members={f"images/{d}.img": img})
-    reject(write_package(m, mem), "malformed")
+    reject(write_package(m, mem), rf"^tile image {d[:16]} is malformed: truncated$")
 
 
 def test_segment_of_wrong_arity_is_a_package_error(valid):
@@ -362,7 +386,8 @@ def test_segment_of_wrong_arity_is_a_package_error(valid):
     img = tensors.pack({"header": np.frombuffer(head, np.uint8)})
     d = canonical.digest(img)
     m, mem = make(tile_images=[d, manifest["tile_images"][1]], extra_members={f"images/{d}.img": img})
-    reject(write_package(m, mem), "malformed")
+    reject(write_package(m, mem), rf"^tile image {d[:16]} is not valid: segments\[0\] is a list of 4 items, "
+                                  r"expected a list of 5 items$")
 
 
 def test_manifest_without_kernels_table_is_a_package_error(valid):
@@ -435,3 +460,25 @@ def test_fuzz_flips_and_truncations(valid_bytes, flips, cut, header_only):
     for name, (off, size, digest) in pkg.by_name.items():
         assert canonical.digest(pkg.member(name)) == digest
     assert pkg.member("kernels/x.so") == KERNEL
+
+
+# doit inspect:<target> -------------------------------------------------------------------------
+def test_inspect_through_doit(valid, tmp_path):
+    """``doit inspect`` describes a valid package, and refuses a hostile one (here: no idle
+    image, which once was a KeyError in summarize) with one error line and no traceback."""
+    from buildtree import doit, make_tree
+    tree = make_tree(tmp_path / "tree")
+    path = tree / "artifacts" / "small" / "small.ipuexe"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(valid[2])
+    run = doit(tree, "inspect:small")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "tiles=2 tiles_used=1 distinct_images=2" in run.stdout + run.stderr
+    hostile = {k: v for k, v in valid[0].items() if k != "idle_image"}
+    path.write_bytes(write_package(hostile, valid[1]))
+    run = doit(tree, "inspect:small")
+    out = run.stdout + run.stderr
+    assert run.returncode != 0 and "Traceback" not in out, out
+    errors = [line for line in out.splitlines() if "idle_image" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and errors[0].endswith(
+        "small.ipuexe: manifest is not valid: idle_image is missing"), out

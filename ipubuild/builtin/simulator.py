@@ -70,7 +70,7 @@ class Simulator:
         host = pkg.manifest["host"]
         log.info("invoking host exchange call", call='"initialize"', phases=host["initialize"]["phases"])
         for b in m["inputs"]:
-            raw = np.ascontiguousarray(inputs[b["name"]], dtype=DTYPES[b["dtype"]]).view(np.uint8).reshape(-1)
+            raw = _input_bytes(b, inputs)
             for off, size, tile, addr in b["ranges"]:
                 mems[tile][addr:addr + size] = raw[off:off + size]
         log.info("invoking host exchange call", call='"run"', phases=host["run"]["phases"])
@@ -116,8 +116,11 @@ class Simulator:
         return DeviceRun(outputs, profile, trace)
 
     def _load_kernels(self, pkg, workdir):
-        out = {}
+        out, known = {}, registry().kernels
         for name, digest in sorted(pkg.manifest["kernels"].items()):
+            if name not in known:
+                raise UserError(f"kernel {name}", "no installed plugin declares this kernel variant: install "
+                                "the plugins the package was built with")
             path = Path(workdir) / f"{digest}.so"
             path.write_bytes(pkg.kernel_object(name))
             try:
@@ -144,6 +147,17 @@ def run_exchange(mems: dict, entries) -> None:
         staged.append((int(dt), int(da), int(ds), int(rows), int(rb), src.copy()))
     for dt, da, ds, rows, rb, data in staged:
         np.lib.stride_tricks.as_strided(mems[dt][da:], (rows, rb), (ds, 1))[...] = data
+
+
+def _input_bytes(binding: dict, inputs: dict) -> np.ndarray:
+    """The bytes of the input a binding names, in the dtype and size the package expects."""
+    name = binding["name"]
+    if name not in inputs:
+        raise UserError("package", f"it binds an input {name} the target does not have")
+    raw = np.ascontiguousarray(inputs[name], dtype=DTYPES[binding["dtype"]])
+    if raw.size != int(np.prod(binding["shape"])):
+        raise UserError("package", f"input {name} has {raw.size} elements, the package expects shape {binding['shape']}")
+    return raw.view(np.uint8).reshape(-1)
 
 
 def _read(mem, where):
