@@ -90,7 +90,7 @@ def target_steps(target: dict, kernels: list[str], artifacts: Path) -> list[Step
              sources={"target": Path(target["path"])}, doc="build the model graph and place the FP8 casts"),
         step("compile_runtime", "compile_runtime", {"machine": machine}, {"runtime": a("runtime")}),
         step("plan_package", "plan_package", {"graph": a("graph"), "machine": machine, "runtime": a("runtime"), **res},
-             {"layout": a("layout")}, doc="search the layout"),
+             {"layout": a("layout"), "search": a("search")}, doc="search the layout"),
         step("place_provisional_storage", "place_provisional_storage",
              {"graph": a("graph"), "layout": a("layout"), "machine": machine, **res},
              {"program": a("program"), "provisional_storage": a("provisional_storage")}, plan_spans),
