@@ -15,7 +15,7 @@ from .operators import registry
 from .pipeline import Step
 
 # importing registers the phases (the kernels package, imported above, registers compile_kernels)
-from . import device, frontend, package, reference  # noqa: F401
+from . import device, frontend, package, reference, report  # noqa: F401
 from .planning import phases  # noqa: F401
 
 def kernel_steps(machine: str) -> list[Step]:
@@ -139,6 +139,11 @@ def target_steps(target: dict, kernels: list[str], artifacts: Path) -> list[Step
                     "trace": artifacts / t / f"{t}.device.trace.json"}),
         step("check_numerics", "check_numerics", {"device_run": a("device_run"), "reference": a("reference"),
                                                   "profile": a("profile")}, {"verdict": a("verdict")}),
+        step("report_profile", "report_profile",
+             {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),
+              "code_sizes": a("code_sizes"), "machine": machine, "search": a("search")},
+             {"report": a("report")}, files={"report": artifacts / t / f"{t}.profile.html"},
+             doc="draw the device profile as one HTML page"),
     ]
     return steps
 

@@ -1,5 +1,5 @@
-"""doit integration: every target's steps as doit tasks, the ``build:<target>`` entry point, and
-``inspect:<target>``.
+"""doit integration: every target's steps as doit tasks, the ``build:<target>`` entry point,
+``inspect:<target>`` and ``profile:<target>``.
 
 A project's ``dodo.py`` is three lines::
 
@@ -165,6 +165,20 @@ def _inspect(ws: Workspace, target: dict):
     return run
 
 
+def _profile(ws: Workspace, target: dict):
+    def run():
+        from .report import read_profile, top_steps_table
+        t = target["name"]
+        path = ws.artifacts / t / f"{t}.profile.json"
+        try:
+            for line in top_steps_table(read_profile(path, t, shown=os.path.relpath(path, ws.root))):
+                log.plain(line)
+        except UserError as exc:
+            return TaskFailed(str(exc))
+        return None
+    return run
+
+
 def _list_plugins(ws: Workspace):
     def run():
         pm = ws.plugins
@@ -247,8 +261,10 @@ def _tasks(root: Path):
         t = target["name"]
         files = [(s.outputs[slot], path) for s in steps for slot, path in s.files.items()]
         yield {"basename": "build", "name": t, "actions": [_finish(ws, target, files)],
-               "file_dep": [str(ws.ref_path(f"{t}/verdict")), str(ws.ref_path(f"{t}/cost"))],
+               "file_dep": [str(ws.ref_path(a)) for a in (f"{t}/verdict", f"{t}/cost", *(a for a, _ in files))],
                "uptodate": [False], "verbosity": 2,
                "doc": f"compile, package, run on the device and check {t}"}
         yield {"basename": "inspect", "name": t, "actions": [_inspect(ws, target)], "uptodate": [False],
                "verbosity": 2, "doc": f"summarise the package of {t}"}
+        yield {"basename": "profile", "name": t, "actions": [_profile(ws, target)], "uptodate": [False],
+               "verbosity": 2, "doc": f"print the steps of {t} that take the most device cycles"}
