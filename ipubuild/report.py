@@ -32,9 +32,19 @@ KINDS = ("reserved", "code", "constants", "data", "exchange", "shared", "free")
 _BUFFER_KIND = {"c": "constants", "i": "data", "o": "data", "g": "exchange"}
 
 
-def step_series(profile: dict) -> dict:
+def has_steps(profile) -> bool:
+    """Whether a device profile carries per-step figures as the simulator's does (``steps``: name,
+    exchange, slowest, sync, ``compute`` per tile); a backend need only report totals."""
+    steps = profile.get("steps") if isinstance(profile, dict) else None
+    return isinstance(steps, list) and all(
+        isinstance(s, dict) and isinstance(s.get("name"), str)
+        and all(type(s.get(k)) is int for k in ("exchange", "slowest", "sync"))
+        and isinstance(s.get("compute", {}), dict) and all(type(v) is int for v in s.get("compute", {}).values())
+        for s in steps)
+
+
+def step_series(steps: list[dict]) -> dict:
     """Per step: name, exchange cycles, slowest tile's compute cycles, sync cycles."""
-    steps = profile["steps"]
     return {"names": [s["name"] for s in steps], "exchange": [s["exchange"] for s in steps],
             "compute": [s["slowest"] for s in steps], "sync": [s["sync"] for s in steps]}
 
@@ -45,10 +55,9 @@ def _groups(n: int, limit: int) -> list[tuple[int, int]]:
     return [(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def heatmap(profile: dict) -> dict:
+def heatmap(steps: list[dict]) -> dict:
     """Compute cycles per (tile, step) for the tiles that compute; a cell of grouped rows or
     columns holds the group's maximum (the slowest tile is what a BSP step waits for)."""
-    steps = profile["steps"]
     tiles = sorted({int(t) for s in steps for t in s["compute"]})
     rows, cols = _groups(len(tiles), MAX_HEATMAP_ROWS), _groups(len(steps), MAX_HEATMAP_COLUMNS)
     values = []
@@ -164,25 +173,30 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
                      "bytes": n} for (s, src, dst, v), n in top]}
 
 
-def report_data(name: str, profile: dict, cost: dict, program: dict, storage: dict, code_sizes: dict,
-                machine: dict, search: dict) -> dict:
-    """Everything the report page shows (canonical JSON values only)."""
+def report_data(name: str, device: str, profile: dict, cost: dict, program: dict, storage: dict,
+                code_sizes: dict, machine: dict, search: dict) -> dict:
+    """Everything the report page shows (canonical JSON values only). Steps come from the device's
+    profile; from the cost model (without per-tile compute) if the device reports only totals."""
+    measured = has_steps(profile)
+    steps = profile["steps"] if measured else [
+        {"name": s["name"], "exchange": s["exchange"], "slowest": s["compute"], "sync": s["sync"], "compute": {}}
+        for s in cost["steps"]]
+    memory = memory_maps(program, storage, code_sizes, machine)
     return {
         "target": name, "final_cycles": cost["final_cycles"], "lower_bound": cost["lower_bound"],
-        "final_exchange": cost["final_exchange"], "device_cycles": profile["total_cycles"],
-        "device": profile.get("device"), "tiles": profile["tiles"], "tile_count": program["tile_count"],
-        "tiles_used": profile.get("tiles_used"), "clock_hz": machine["clock_hz"],
-        "steps": step_series(profile), "heatmap": heatmap(profile),
-        "memory": memory_maps(program, storage, code_sizes, machine),
+        "final_exchange": cost["final_exchange"], "device": device, "device_cycles": profile.get("total_cycles"),
+        "tiles": profile.get("tiles"), "tile_count": program["tile_count"], "tiles_used": len(memory["tiles"]),
+        "clock_hz": machine["clock_hz"], "steps_from": "device" if measured else "cost model",
+        "steps": step_series(steps), "heatmap": heatmap(steps), "memory": memory,
         "search": {"initial_cycles": search["initial_cycles"], "history": search["history"]},
         "exchanges": top_exchanges(program)}
 
 
 @phase("report_profile", inputs=("profile", "cost", "program", "storage", "code_sizes", "machine", "search"),
-       outputs=("report",), config=("name",))
+       outputs=("report",), config=("name", "target.device"))
 def report_profile(ctx):
     """The profile as one self-contained HTML page (``<target>.profile.html``)."""
-    data = report_data(ctx.config["name"], ctx.json("profile"), ctx.json("cost"), ctx.json("program"),
+    data = report_data(ctx.config["name"], ctx.config["target"]["device"], ctx.json("profile"), ctx.json("cost"), ctx.json("program"),
                        ctx.json("storage"), ctx.json("code_sizes"), machine_of(ctx), ctx.json("search"))
     return {"report": render(data).encode()}
 
@@ -193,15 +207,14 @@ def read_profile(path: Path, target: str, shown: str | None = None) -> dict:
     shown = shown or str(path)
     try:
         profile = json.loads(Path(path).read_bytes())
-        if not (isinstance(profile, dict) and isinstance(profile.get("steps"), list) and all(
-                isinstance(s, dict) and isinstance(s.get("name"), str)
-                and all(type(s.get(k)) is int for k in ("exchange", "slowest", "sync")) for s in profile["steps"])):
-            raise ValueError("unexpected structure")
     except FileNotFoundError:
         raise UserError(shown, f"no profile yet; run `doit build:{target}` first") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise UserError(shown, f"not a readable profile ({type(exc).__name__}); "
                         f"run `doit build:{target}` to rewrite it") from None
+    if not has_steps(profile):
+        raise UserError(shown, "holds no per-step figures (a device backend may report only totals); "
+                        f"if it came from ipumodel, run `doit build:{target}` to rewrite it")
     return profile
 
 

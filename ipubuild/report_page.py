@@ -70,6 +70,8 @@ def _exchanges(d: dict) -> str:
 
 def _heatmap_note(d: dict) -> str:
     h = d["heatmap"]
+    if not h["tiles"]:
+        return "The device reported no compute cycles per tile."
     parts = [f'{h["tiles"]} tiles compute in {len(d["steps"]["names"])} steps.']
     if h["tiles_per_row"] > 1:
         parts.append(f'There are too many tiles for one row each: every row is a group of {h["tiles_per_row"]} '
@@ -78,6 +80,13 @@ def _heatmap_note(d: dict) -> str:
         parts.append(f'Every column is a group of {h["steps_per_column"]} consecutive steps (the slowest cell).')
     parts.append("Grey: the tile does not compute in that step.")
     return " ".join(parts)
+
+
+def _steps_note(d: dict) -> str:
+    if d["steps_from"] == "device":
+        return ""
+    return (f' The device ({html.escape(str(d["device"]))}) reported only totals: these are the cost model\'s '
+            "figures.")
 
 
 def _search_note(d: dict) -> str:
@@ -103,7 +112,8 @@ def render(d: dict) -> str:
         ("tiles", f'{d["tiles_used"]} used of {d["tile_count"]} planned; the package has {d["tiles"]}'),
         ("steps", _n(len(d["steps"]["names"]))),
         ("exchange", f'{_n(d["final_exchange"])} cycles ({100 * d["final_exchange"] / max(1, final):.1f} %)'),
-        ("device", f'{d["device"]}: {_n(d["device_cycles"])} cycles'),
+        ("device", f'{d["device"]}: ' + (f'{_n(d["device_cycles"])} cycles' if d["device_cycles"] is not None
+                                          else "no cycle count")),
     ]
     dl = "".join(f"<div><dt>{html.escape(k)}</dt><dd>{html.escape(v)}</dd></div>" for k, v in figures)
     x = d["exchanges"]
@@ -118,7 +128,7 @@ def render(d: dict) -> str:
 <main>
 <section id="steps"><h2>Cycles per step</h2>
 <p class="note">Each bar is one BSP step: its exchange phase, the slowest tile's compute, and the sync.
-Hover for figures.</p>
+Hover for figures.{_steps_note(d)}</p>
 <div class="legend"><span class="k x"></span>exchange <span class="k c"></span>compute <span class="k s"></span>sync</div>
 <div id="step-chart" class="chart"></div>
 <h3>Top {TOP_STEPS} steps</h3>{_top_steps(d)}</section>

@@ -19,7 +19,7 @@ from ipubuild import canonical
 from ipubuild.build import all_steps
 from ipubuild.errors import UserError
 from ipubuild.pipeline import Workspace
-from ipubuild.report import KINDS, _runs, heatmap, read_profile, top_steps_table
+from ipubuild.report import KINDS, _runs, heatmap, read_profile, report_data, top_steps_table
 from ipubuild.report_page import render
 from ipubuild.targets import load_target
 
@@ -191,8 +191,9 @@ def test_top_steps_table_orders_by_total_with_shares():
 @pytest.mark.parametrize("content, says", [
     (None, "no profile yet; run `doit build:t` first"),
     (b"{not json", "not a readable profile (JSONDecodeError)"),
-    (b'{"steps": [{"name": "a", "exchange": "1", "slowest": 2, "sync": 3}]}', "not a readable profile"),
-    (b"[1, 2]", "not a readable profile"),
+    (b'{"steps": [{"name": "a", "exchange": "1", "slowest": 2, "sync": 3}]}', "holds no per-step figures"),
+    (b'{"ok": true, "tiles": 1472, "samples": 0, "total_cycles": 5}', "holds no per-step figures"),
+    (b"[1, 2]", "holds no per-step figures"),
     (b"\xff\xfe", "not a readable profile"),
 ])
 def test_a_missing_or_bad_profile_is_one_line(tmp_path, content, says):
@@ -207,7 +208,7 @@ def test_a_missing_or_bad_profile_is_one_line(tmp_path, content, says):
 def test_heatmap_groups_many_tiles_by_their_slowest():
     steps = [{"name": f"s{s}", "exchange": 0, "slowest": 0, "sync": 0,
               "compute": {str(t): (t * 7 + s * 13) % 101 + 1 for t in range(0, 600, 2)}} for s in range(3)]
-    h = heatmap({"steps": steps})
+    h = heatmap(steps)
     assert h["tiles"] == 300 and h["tiles_per_row"] == 3 and len(h["rows"]) == 100
     assert h["rows"][0] == [0, 4] and h["rows"][-1] == [594, 598]
     for r, (lo, hi) in enumerate(h["rows"]):
@@ -215,6 +216,22 @@ def test_heatmap_groups_many_tiles_by_their_slowest():
             want = max(v for t, v in steps[s]["compute"].items() if lo <= int(t) <= hi)
             assert h["values"][r * 3 + s] == want
     assert "a group of 3 consecutive computing tiles" in render(_fake_data(h))
+
+
+def test_a_device_reporting_only_totals_gets_the_cost_models_steps():
+    """The backend contract asks a profile only for ok, tiles, samples and total_cycles."""
+    cost = {"final_cycles": 1300, "final_exchange": 100, "lower_bound": 900,
+            "steps": [{"name": "a", "exchange": 100, "compute": 300, "sync": 600}, {"name": "b", "exchange": 0,
+                                                                                  "compute": 300, "sync": 0}]}
+    program = {"tile_count": 2, "names": {}, "buffers": {"0": {}, "1": {}},
+               "steps": [{"name": "a", "transfers": []}, {"name": "b", "transfers": []}]}
+    storage = {t: {"code_bytes": 0, "ranges": {}, "addresses": {}} for t in ("0", "1")}
+    machine = {"clock_hz": 1_000_000_000, "memory": {"sram_base": 0, "sram_end": 64, "alignment": 8}}
+    d = report_data("t", "hw", {"ok": True, "tiles": 2, "samples": 0, "total_cycles": 1300}, cost, program,
+                    storage, {}, machine, {"initial_cycles": 1300, "history": []})
+    assert d["steps_from"] == "cost model" and d["steps"]["compute"] == [300, 300] and d["heatmap"]["tiles"] == 0
+    page = render(d)
+    assert "The device (hw) reported only totals" in page and "no compute cycles per tile" in page
 
 
 def test_memory_runs_cover_the_range_and_mark_shared_bytes():
@@ -226,7 +243,7 @@ def test_memory_runs_cover_the_range_and_mark_shared_bytes():
 
 
 def test_names_cannot_break_out_of_the_embedded_data():
-    d = _fake_data(heatmap({"steps": [{"name": "x", "compute": {"0": 1}}]}))
+    d = _fake_data(heatmap([{"name": "x", "compute": {"0": 1}}]))
     d["steps"]["names"] = ["</script><script>alert(1)</script><!--"]
     d["exchanges"]["top"] = [{"step": 0, "name": "</script>", "from": 0, "to": 1, "value": "<b>v</b>", "bytes": 4}]
     page = render(d)
@@ -239,6 +256,7 @@ def _fake_data(h: dict) -> dict:
     n = len(h["columns"])
     return {"target": "t", "final_cycles": 10, "lower_bound": 5, "final_exchange": 2, "device_cycles": 10,
             "device": "ipumodel", "tiles": 1472, "tile_count": 4, "tiles_used": 2, "clock_hz": 1_850_000_000,
+            "steps_from": "device",
             "steps": {"names": [f"s{i}" for i in range(n)], "exchange": [1] * n, "compute": [1] * n, "sync": [1] * n},
             "heatmap": h, "memory": {"base": 0, "end": 16, "kinds": list(KINDS), "tiles": []},
             "search": {"initial_cycles": 10, "history": []},
