@@ -58,13 +58,14 @@ def _groups(n: int, limit: int) -> list[tuple[int, int]]:
 def heatmap(steps: list[dict]) -> dict:
     """Compute cycles per (tile, step) for the tiles that compute; a cell of grouped rows or
     columns holds the group's maximum (the slowest tile is what a BSP step waits for)."""
-    tiles = sorted({int(t) for s in steps for t in s["compute"]})
+    tiles = sorted({int(t) for s in steps for t in s.get("compute", {})})
     rows, cols = _groups(len(tiles), MAX_HEATMAP_ROWS), _groups(len(steps), MAX_HEATMAP_COLUMNS)
     values = []
     for r0, r1 in rows:
         keys = [str(t) for t in tiles[r0:r1]]
         for c0, c1 in cols:
-            values.append(max((steps[s]["compute"].get(k, 0) for s in range(c0, c1) for k in keys), default=0))
+            values.append(max((steps[s].get("compute", {}).get(k, 0) for s in range(c0, c1) for k in keys),
+                              default=0))
     return {"tiles": len(tiles), "rows": [[tiles[r0], tiles[r1 - 1]] for r0, r1 in rows],
             "columns": [[c0, c1 - 1] for c0, c1 in cols],
             "tiles_per_row": rows[0][1] - rows[0][0] if rows else 1,
@@ -145,6 +146,11 @@ def memory_maps(program: dict, storage: dict, code_sizes: dict, machine: dict) -
     return {"base": lo, "end": hi, "kinds": list(KINDS), "tiles": tiles}
 
 
+def _busiest(bytes_per_tile: collections.Counter) -> list[int]:
+    """``[tile, bytes]`` of the tile with the most bytes (the lowest such tile)."""
+    return list(min(bytes_per_tile.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
     """The largest exchanges, bytes moved per (step, source tile, destination tile, value); and
     the steps that move the most bytes, with their busiest sending and receiving tiles (the
@@ -163,9 +169,8 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
             received[dst] += rows * row_bytes
         per_step.append(sum(sent.values()))
         if sent:
-            busiest = lambda c: min(c.items(), key=lambda kv: (-kv[1], kv[0]))  # noqa: E731
             steps.append({"step": s, "name": step["name"], "bytes": per_step[-1], "transfers": len(step["transfers"]),
-                          "sender": list(busiest(sent)), "receiver": list(busiest(received))})
+                          "sender": _busiest(sent), "receiver": _busiest(received)})
     top = heapq.nsmallest(limit, moved.items(), key=lambda kv: (-kv[1], kv[0]))
     return {"total_bytes": sum(per_step), "bytes_per_step": per_step, "count": len(moved),
             "steps": heapq.nsmallest(TOP_EXCHANGE_STEPS, steps, key=lambda e: (-e["bytes"], e["step"])),
@@ -196,8 +201,9 @@ def report_data(name: str, device: str, profile: dict, cost: dict, program: dict
        outputs=("report",), config=("name", "target.device"))
 def report_profile(ctx):
     """The profile as one self-contained HTML page (``<target>.profile.html``)."""
-    data = report_data(ctx.config["name"], ctx.config["target"]["device"], ctx.json("profile"), ctx.json("cost"), ctx.json("program"),
-                       ctx.json("storage"), ctx.json("code_sizes"), machine_of(ctx), ctx.json("search"))
+    data = report_data(ctx.config["name"], ctx.config["target"]["device"], ctx.json("profile"), ctx.json("cost"),
+                       ctx.json("program"), ctx.json("storage"), ctx.json("code_sizes"), machine_of(ctx),
+                       ctx.json("search"))
     return {"report": render(data).encode()}
 
 

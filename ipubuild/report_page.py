@@ -56,7 +56,7 @@ def _exchange_steps(d: dict) -> str:
     cycles = d["steps"]["exchange"]
     rows = [[f'{e["step"]} {e["name"]}', _n(e["bytes"]), _n(e["transfers"]),
              f'tile {e["sender"][0]}: {_n(e["sender"][1])}', f'tile {e["receiver"][0]}: {_n(e["receiver"][1])}',
-             _n(cycles[e["step"]])] for e in d["exchanges"]["steps"]]
+             _n(cycles[e["step"]]) if e["step"] < len(cycles) else "–"] for e in d["exchanges"]["steps"]]
     return _table(["step", "bytes", "transfers", "busiest sender (bytes)", "busiest receiver (bytes)",
                    "exchange cycles"], rows, {1, 2, 3, 4, 5}, "exchange-steps")
 

@@ -153,6 +153,14 @@ def test_noop_build_does_not_touch_the_page_and_a_deleted_page_comes_back(built)
     assert_passed(run, NAME)
     assert path.read_bytes() == before[1]
     assert set(run.executed) <= {f"build:{NAME}", f"report_profile:{NAME}"}, run.tail()
+    # a change the report does not read (a numerics gate) re-checks the numbers, not the page
+    target = tree / "targets" / f"{NAME}.toml"
+    target.write_text(target.read_text() + "[numerics]\nmin_cosine = 0.98\n")
+    mtime = path.stat().st_mtime_ns
+    run = doit(tree, f"build:{NAME}", environ=environ)
+    assert_passed(run, NAME)
+    assert f"check_numerics:{NAME}" in run.executed and f"report_profile:{NAME}" not in run.executed, run.tail()
+    assert path.stat().st_mtime_ns == mtime
 
 
 def test_doit_profile_prints_the_top_steps(built):
