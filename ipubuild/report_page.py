@@ -148,7 +148,7 @@ bytes that data and exchange buffers use at different times. Free: bytes no buff
 <div id="search-chart" class="chart"></div></section>
 <section id="exchanges"><h2>Largest exchanges</h2>
 <p class="note">{_n(x["count"])} exchanges (bytes per step, source tile, destination tile and value) move
-{_n(x["total_bytes"])} bytes in all.</p>
+{_n(x["total_bytes"])} bytes in all. Where the source tile is the destination, the exchange is an on-tile copy.</p>
 <h3>The steps that move the most bytes</h3>{_exchange_steps(d)}
 <h3>The {len(x["top"])} largest exchanges</h3>{_exchanges(d)}</section>
 </main>
