@@ -63,10 +63,11 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
         files = [[s.outputs[slot], str(p)] for s in steps for slot, p in s.files.items()]
         out = Path("artifacts") / t
         tasks.append({"kind": "build", "target": t, "path": target["path"], "device": target["target"]["device"],
-                      "files": files, "verdict_ref": str(ws.ref_path(f"{t}/verdict").relative_to(root)),
+                      "files": files, "file_dep": [str(ws.ref_path(a).relative_to(root)) for a, _ in files],
                       "verdict_file": str(out / f"{t}.verdict.json"), "profile_file": str(out / f"{t}.profile.json"),
                       "package_file": str(out / f"{t}.ipuexe"), "resolved": dump_resolved(target).decode()})
         tasks.append({"kind": "inspect", "target": t})
+        tasks.append({"kind": "profile", "target": t})
     memo.save()
     return {"tasks": tasks, "watched": watched, "provisional": provisional}
 

@@ -17,7 +17,7 @@ from .operators import registry
 from .pipeline import Step
 
 # importing registers the phases (the kernels package, imported above, registers compile_kernels)
-from . import device, frontend, package, reference  # noqa: F401
+from . import device, frontend, package, reference, report  # noqa: F401
 from .planning import phases  # noqa: F401
 
 
@@ -77,7 +77,7 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
         step("compile_runtime", "compile_runtime", {"machine": machine}, {"runtime": a("runtime")}),
         step("plan_package", "plan_package", {"graph": a("graph"), "machine": machine, "runtime": a("runtime"),
                                               "reservations": a("kernel_reservations")},
-             {"layout": a("layout")}, doc="search the layout"),
+             {"layout": a("layout"), "search": a("search")}, doc="search the layout"),
         step("place_provisional_storage", "place_provisional_storage",
              {"graph": a("graph"), "layout": a("layout"), "machine": machine,
               "reservations": a("kernel_reservations")},
@@ -123,6 +123,11 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
         step("check_numerics", "check_numerics", {"device_run": a("device_run"), "reference": a("reference"),
                                                   "profile": a("profile"), "cost": a("cost")},
              {"verdict": a("verdict")}, files={"verdict": out / f"{t}.verdict.json"}),
+        step("report_profile", "report_profile",
+             {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),
+              "code_sizes": a("code_sizes"), "machine": machine, "search": a("search")},
+             {"report": a("report")}, files={"report": out / f"{t}.profile.html"},
+             doc="draw the device profile as one HTML page"),
     ]
 
 

@@ -309,7 +309,9 @@ def _load(path: Path, key: str) -> dict | None:
     return state
 
 
-def search_layout(ctx, graph) -> dict:
+def search_layout(ctx, graph) -> tuple[dict, dict]:
+    """The searched layout, and the search's summary ``{"initial_cycles", "history": [{"round",
+    "before", "after"}]}`` (one entry per accepted improvement; round 0 is the tile mapping)."""
     cfg = ctx.config["search"]
     tiles = ctx.config["target"]["tile_count"]
     from .artifacts import machine_of
@@ -396,7 +398,8 @@ def search_layout(ctx, graph) -> dict:
                 state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(visited)
             _save(path, state)
-        return incumbent
+        h = state["history"]   # the search's convergence, for the report
+        return incumbent, {"initial_cycles": h[0]["before"] if h else state["cycles"], "history": h}
     finally:
         pool.close()
         _progress(None)
@@ -426,6 +429,7 @@ def _screen_mappings(sc, incumbent, cycles, pool, state):
         r = pool.map([(state["attempts"], i, candidates[i])])[0]
         if "invalid" not in r and r["cycles"] < cycles:
             log.info("accepted tile mapping", before=cycles, after=r["cycles"])
+            state["history"].append({"round": 0, "before": cycles, "after": r["cycles"]})
             return candidates[i], r["cycles"]
     log.info("retained incumbent tile mapping")
     return incumbent, cycles

@@ -1,5 +1,5 @@
-"""doit integration: every target's steps as doit tasks, the ``build:<target>`` entry point, and
-``inspect:<target>``.
+"""doit integration: every target's steps as doit tasks, the ``build:<target>`` entry point,
+``inspect:<target>`` and ``profile:<target>``.
 
 A project's ``dodo.py`` is three lines::
 
@@ -171,11 +171,14 @@ def task_of(root: Path, e: dict, entries: list) -> dict:
     if kind == "build":
         finish = Finish(root, e, entries)
         return {"basename": "build", "name": e["target"], "actions": [finish.run],
-                "file_dep": [e["verdict_ref"]], "uptodate": [finish.uptodate], "verbosity": 2,
+                "file_dep": e["file_dep"], "uptodate": [finish.uptodate], "verbosity": 2,
                 "doc": f"compile, package, run on the device and check {e['target']}"}
     if kind == "inspect":
         return {"basename": "inspect", "name": e["target"], "actions": [_inspect(root, e)], "uptodate": [False],
                 "verbosity": 2, "doc": f"summarise the package of {e['target']}"}
+    if kind == "profile":
+        return {"basename": "profile", "name": e["target"], "actions": [_profile(root, e)], "uptodate": [False],
+                "verbosity": 2, "doc": f"print the steps of {e['target']} that take the most device cycles"}
     if kind == "plugins":
         return {"basename": "plugins", "actions": [_list_plugins], "uptodate": [False], "verbosity": 2,
                 "doc": "list the loaded plugins, their versions and the hooks each implements"}
@@ -317,6 +320,21 @@ def _inspect(root: Path, entry: dict):
             return TaskFailed(f"{path}: no package yet; run `doit build:{t}` first")
         try:
             for line in summarize(read_package(path)):
+                log.plain(line)
+        except UserError as exc:
+            return TaskFailed(str(exc))
+        return None
+    return run
+
+
+def _profile(root: Path, entry: dict):
+    def run():
+        from .log import log
+        from .report import read_profile, top_steps_table
+        t = entry["target"]
+        path = root / "artifacts" / t / f"{t}.profile.json"
+        try:
+            for line in top_steps_table(read_profile(path, t, shown=os.path.relpath(path, root))):
                 log.plain(line)
         except UserError as exc:
             return TaskFailed(str(exc))

@@ -1,7 +1,7 @@
 """The compiler's phases, by the reference's names, each a pure function of declared inputs.
 
 Artifacts: ``graph`` (IR JSON), ``params`` (constants and example inputs), ``layout`` (the
-search's choice), ``program`` (steps, buffers, transfers), ``provisional_storage``,
+search's choice), ``search`` (its convergence), ``program`` (steps, buffers, transfers), ``provisional_storage``,
 ``exchange_schedule``, ``kernel_plan``, ``link_map``, ``code_sizes``, ``storage``,
 ``exchange_tables``, ``placed_exchanges``, ``cost``, the per-tile families ``tile_program``,
 ``tile_data``, ``tile_code``, ``tile_kernels`` and ``images`` (each an index of one blob per tile),
@@ -38,12 +38,13 @@ def compile_runtime(ctx):
 
 
 # planning --------------------------------------------------------------------------------------
-@phase("plan_package", inputs=("graph", "machine", "runtime", "reservations"), outputs=("layout",),
+@phase("plan_package", inputs=("graph", "machine", "runtime", "reservations"), outputs=("layout", "search"),
        config=("name", "path", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
 def plan_package(ctx):
+    """The searched layout, and the search's convergence (``search``: initial cycles, accepted steps)."""
     from ..search import search_layout
-    g = graph_of(ctx)
-    return {"layout": _json(search_layout(ctx, g))}
+    layout, summary = search_layout(ctx, graph_of(ctx))
+    return {"layout": _json(layout), "search": _json(summary)}
 
 
 def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
