@@ -68,7 +68,7 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
                        kernel_quantum=machine_file["code"]["reservation_quantum"])
     return [
         step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params")},
-             sources={"target": Path(target["path"])}, doc="build the model graph and place the FP8 casts"),
+             doc="build the model graph and place the FP8 casts"),
         step("compile_kernels", "compile_kernels", {"graph": a("graph")},
              {"objects": a("kernel_objects"), "code_sizes": a("kernel_code_sizes"),
               "reservations": a("kernel_reservations")},

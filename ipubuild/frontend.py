@@ -56,7 +56,7 @@ def build_model(pm, target: dict) -> Model:
     return model
 
 
-@phase("lower_model", inputs=("target",), outputs=("graph", "params"),
+@phase("lower_model", outputs=("graph", "params"),
        config=("name", "path", "target.seed", "model", "casts"),
        hooks=("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies"))
 def lower_model(ctx):
