@@ -93,6 +93,17 @@ def merge_adjacent(entries: list[list]) -> list[list]:
 
 
 def horizon_of(entries: list[list], machine: dict, paired: bool) -> int:
-    """The horizon of placed entries (same model as ``schedule``)."""
-    as_transfers = [[st, 0, sa, ss, dt, 0, da, ds, rows, rb] for st, sa, ss, dt, da, ds, rows, rb in entries]
-    return schedule(as_transfers, machine, paired)[0]
+    """The horizon of placed entries (same model as ``schedule``; memoised: a search candidate
+    changes few exchange phases)."""
+    key = (tuple(map(tuple, entries)), paired, tuple(sorted(machine["exchange"].items())))
+    found = _horizons.get(key)
+    if found is None:
+        as_transfers = [[st, 0, sa, ss, dt, 0, da, ds, rows, rb] for st, sa, ss, dt, da, ds, rows, rb in entries]
+        found = schedule(as_transfers, machine, paired)[0]
+        if len(_horizons) > 4096:
+            _horizons.clear()
+        _horizons[key] = found
+    return found
+
+
+_horizons: dict = {}

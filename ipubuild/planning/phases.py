@@ -76,10 +76,20 @@ def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
             raise UserError(f"tile {tile}", f"generated code needs {code[tile]} bytes but the "
                             f"executable region holds {machine['memory']['executable_end'] - ranges['code_address']}; "
                             "raise target.tile_count")
-        names = {b: program["names"].get(v.get("value"), b) for b, v in bufs.items()}
         out[tile] = {"code_bytes": code.get(tile, 0), "ranges": ranges,
-                     "addresses": mem.allocate(bufs, ranges["available_ranges"], align, tile=int(tile), names=names)}
+                     "addresses": mem.allocate(bufs, ranges["available_ranges"], align, tile=int(tile),
+                                               names=_BufferNames(bufs, program["names"]))}
     return out
+
+
+class _BufferNames:
+    """Buffer id -> the name of the tensor it holds (for error messages; looked up lazily)."""
+
+    def __init__(self, buffers: dict, names: dict):
+        self.buffers, self.names = buffers, names
+
+    def get(self, bid, default=None):
+        return self.names.get(self.buffers.get(bid, {}).get("value"), default)
 
 
 @phase("place_provisional_storage", inputs=("graph", "layout", "machine", "reservations"),

@@ -63,8 +63,40 @@ def plans_of(graph: Graph, tile_count: int) -> dict[int, list[dict]]:
     return {op.id: reg.get(op.type).plans(graph, op, tile_count) for op in graph.ops}
 
 
+class Lowerings:
+    """Each operation's plans and its lowering under each plan, computed once per graph (a search
+    builds the program of many layouts of one graph)."""
+
+    _cache: dict = {}
+
+    def __init__(self, graph: Graph, tile_count: int):
+        self.graph, self.tile_count, self.reg = graph, tile_count, registry()
+        self.plans: dict[int, list[dict]] = {}
+        self.lowered: dict[tuple, object] = {}
+
+    @classmethod
+    def of(cls, graph: Graph, tile_count: int) -> "Lowerings":
+        key = (graph.digest(), tile_count, id(registry()))
+        found = cls._cache.get(key)
+        if found is None:
+            if len(cls._cache) >= 4:
+                cls._cache.clear()
+            found = cls._cache[key] = cls(graph, tile_count)
+        return found
+
+    def plans_of(self, op) -> list[dict]:
+        if op.id not in self.plans:
+            self.plans[op.id] = self.reg.get(op.type).plans(self.graph, op, self.tile_count)
+        return self.plans[op.id]
+
+    def lower(self, op, plan: int):
+        if (op.id, plan) not in self.lowered:
+            self.lowered[(op.id, plan)] = self.reg.get(op.type).lower(self.graph, op, self.plans_of(op)[plan])
+        return self.lowered[(op.id, plan)]
+
+
 def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
-    reg = registry()
+    lowerings = Lowerings.of(graph, tile_count)
     steps: list[dict] = []
     buffers: dict[int, dict[str, dict]] = {t: {} for t in range(tile_count)}
     stored: dict[str, Blocks] = defaultdict(Blocks)
@@ -75,12 +107,17 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     consumers = graph.consumers()
     counter = [0]
 
+    info: dict[str, tuple] = {}
+
     def vinfo(vk):
-        if vk.startswith("v"):
-            v = graph.values[int(vk[1:])]
-            return v.rows, v.cols, v.itemsize, v.name
-        rows, cols, dtype = temps[vk]
-        return rows, cols, {"f32": 4, "f16": 2}.get(dtype, 1), vk
+        if vk not in info:
+            if vk.startswith("v"):
+                v = graph.values[int(vk[1:])]
+                info[vk] = v.rows, v.cols, v.itemsize, v.name
+            else:
+                rows, cols, dtype = temps[vk]
+                info[vk] = rows, cols, {"f32": 4, "f16": 2}.get(dtype, 1), vk
+        return info[vk]
 
     def new_buf(tile, kind, size, start, **extra):
         counter[0] += 1
@@ -94,10 +131,10 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
 
     for op in graph.ops:
         choice = layout["ops"][str(op.id)]
-        plans = reg.get(op.type).plans(graph, op, tile_count)
+        plans = lowerings.plans_of(op)
         if not 0 <= choice["plan"] < len(plans):
             raise UserError(f"layout of operation {op.name}", f"plan {choice['plan']} out of range")
-        lowering = reg.get(op.type).lower(graph, op, plans[choice["plan"]])
+        lowering = lowerings.lower(op, choice["plan"])
         temps.update(lowering.temps)
 
         def phys(t):

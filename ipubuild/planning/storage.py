@@ -7,6 +7,8 @@ share bytes; others may.
 """
 from __future__ import annotations
 
+import bisect
+
 from ..errors import UserError
 
 
@@ -31,21 +33,49 @@ def tile_ranges(machine: dict, code_bytes: int) -> dict:
 
 
 def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, names=None) -> dict[str, int]:
-    """Addresses for ``{id: {"size", "start", "end"}}`` (first fit, earliest-born first)."""
-    placed: list[tuple[int, int, int, int]] = []   # addr, size, start, end
+    """Addresses for ``{id: {"size", "start", "end"}}`` (first fit, earliest-born first; buffers
+    live at the same time never share bytes). ``names`` (buffer id -> tensor name) is used for
+    the error message only. Memoised: a search candidate re-plans few tiles."""
+    key = (tuple((b, v["size"], v["start"], v["end"]) for b, v in buffers.items()),
+           tuple(map(tuple, ranges)), alignment)
+    found = _memo.get(key)
+    if found is None:
+        found = _allocate(buffers, ranges, alignment, tile, names)
+        if len(_memo) > 8192:
+            _memo.clear()
+        _memo[key] = found
+    return dict(found)
+
+
+_memo: dict = {}
+
+
+def _allocate(buffers, ranges, alignment, tile, names) -> dict[str, int]:
+    placed: list[tuple[int, int, int, int]] = []   # addr, end address, start step, end step; by addr
     out = {}
     for bid in sorted(buffers, key=lambda b: (buffers[b]["start"], -buffers[b]["size"], b)):
         b = buffers[bid]
+        start, end = b["start"], b["end"]
         size = align_up(max(b["size"], 1), alignment)
-        live = sorted((a, s) for a, s, st, en in placed if st <= b["end"] and b["start"] <= en)
-        addr = _first_fit(live, ranges, size, alignment)
+        addr = None
+        for lo, hi in ranges:
+            cursor = align_up(lo, alignment)
+            for a, e, st, en in placed:
+                if e <= cursor or st > end or start > en:
+                    continue           # below the cursor, or never live at the same time
+                if a >= hi or a - cursor >= size:
+                    break
+                cursor = max(cursor, align_up(e, alignment))
+            if cursor + size <= hi:
+                addr = cursor
+                break
         if addr is None:
+            live = sorted((a, e - a) for a, e, st, en in placed if st <= end and start <= en)
             name = (names or {}).get(bid, bid)
-            free = _largest_gap(live, ranges, alignment)
             raise UserError(f"tile {tile}", f"tensor {name} needs {size} bytes but the largest free "
-                            f"block of tile memory is {free} bytes; raise target.tile_count or "
-                            "choose a plan that splits it further")
-        placed.append((addr, size, b["start"], b["end"]))
+                            f"block of tile memory is {_largest_gap(live, ranges, alignment)} bytes; raise "
+                            "target.tile_count or choose a plan that splits it further")
+        bisect.insort(placed, (addr, addr + size, start, end))
         out[bid] = addr
     return dict(sorted(out.items()))
 
@@ -61,14 +91,6 @@ def _gaps(live, lo, hi, alignment):
         cursor = max(cursor, align_up(a + s, alignment))
     if cursor < hi:
         yield cursor, hi
-
-
-def _first_fit(live, ranges, size, alignment):
-    for lo, hi in ranges:
-        for g0, g1 in _gaps(live, lo, hi, alignment):
-            if g1 - g0 >= size:
-                return g0
-    return None
 
 
 def _largest_gap(live, ranges, alignment):
