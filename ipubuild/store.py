@@ -8,6 +8,7 @@ checksum does not, is dropped with a warning and reported as missing, never retu
 """
 from __future__ import annotations
 
+import importlib
 import os
 from pathlib import Path
 
@@ -43,6 +44,9 @@ class Store:
                                      eviction_policy="least-recently-stored")
         self.meta = diskcache.Cache(str(self.root / "actions"), size_limit=2**62,
                                     eviction_policy="none")
+        # [remote tier] None unless $IPUBUILD_REMOTE_CACHE is set. Imported by name: the tier
+        # only moves verified bytes, so its code stays out of every phase's code fingerprint.
+        self.remote = importlib.import_module("ipubuild.remote").from_environment()
 
     # blobs ---------------------------------------------------------------------------------
     def put(self, data: bytes, *, pin: bool = False) -> str:
@@ -53,8 +57,12 @@ class Store:
         if pin:
             if self._get_pinned(key) is None:
                 self.meta.set("pin:" + key, bytes(data))
+                if self.remote is not None:                      # [remote tier] write behind
+                    self.remote.put_blob(key, data)
         elif key not in self.blobs:
             self.blobs.set(key, bytes(data))
+            if self.remote is not None:                          # [remote tier] write behind
+                self.remote.put_blob(key, data)
         return key
 
     def _get_pinned(self, key: str) -> bytes | None:
@@ -70,6 +78,14 @@ class Store:
 
     def get(self, key: str) -> bytes | None:
         """The verified blob for a digest, or None if it is missing or was corrupt (then dropped)."""
+        data = self._get_local(key)
+        if data is None and self.remote is not None:             # [remote tier] read through
+            data = self.remote.get_blob(key)                     # verified
+            if data is not None:
+                self.blobs.set(key, data)
+        return data
+
+    def _get_local(self, key: str) -> bytes | None:
         try:
             data = self.blobs.get(key)
         except OSError:
@@ -88,9 +104,11 @@ class Store:
         self.blobs.delete(key)
 
     # checksummed records ------------------------------------------------------------------
-    def _put_record(self, key: str, value) -> None:
+    def _put_record(self, key: str, value) -> bytes:
         payload = canonical.dumps(value)
-        self.meta.set(key, canonical.digest(payload).encode() + payload)
+        raw = canonical.digest(payload).encode() + payload
+        self.meta.set(key, raw)
+        return raw
 
     def _get_record(self, key: str):
         try:
@@ -108,19 +126,37 @@ class Store:
 
     def get_action(self, action_key: str) -> dict | None:
         """The output digests recorded for an action key, or None."""
-        return self._get_record("ac:" + action_key)
+        record = self._get_record("ac:" + action_key)
+        if self.remote is not None:                              # [remote tier] read through
+            raw = self.remote.get_action(action_key, local_hit=record is not None)   # verified
+            if raw is not None:
+                self.meta.set("ac:" + action_key, raw)
+                record = self._get_record("ac:" + action_key)
+        return record
 
     def put_action(self, action_key: str, outputs: dict) -> None:
-        self._put_record("ac:" + action_key, outputs)
+        raw = self._put_record("ac:" + action_key, outputs)
+        if self.remote is not None:                              # [remote tier] write behind
+            self.remote.put_action(action_key, raw)
 
     def get_provenance(self, digest: str) -> dict | None:
         """How a blob was made: the phase, its input digests and configuration, the output slot."""
-        return self._get_record("prov:" + digest)
+        record = self._get_record("prov:" + digest)
+        if record is None and self.remote is not None:           # [remote tier] read through
+            raw = self.remote.get_provenance(digest)             # verified
+            if raw is not None:
+                self.meta.set("prov:" + digest, raw)
+                record = self._get_record("prov:" + digest)
+        return record
 
     def put_provenance(self, digest: str, record: dict) -> None:
         """Record how a blob was made (the latest maker wins: its inputs are the freshest)."""
-        self._put_record("prov:" + digest, record)
+        raw = self._put_record("prov:" + digest, record)
+        if self.remote is not None:                              # [remote tier] write behind
+            self.remote.put_provenance(digest, raw)
 
     def close(self) -> None:
+        if self.remote is not None:                              # [remote tier] bounded flush
+            self.remote.close()
         self.blobs.close()
         self.meta.close()

@@ -126,6 +126,8 @@ def _finish(ws: Workspace, target: dict, files: list):
         device_word = "PASS" if verdict["device_ok"] else "FAIL"
         log.plain(f"package={rel(out / f'{t}.ipuexe')} tiles={verdict['tiles']} "
                   f"device={target['target']['device']} deviceTest={device_word}")
+        if ws.store.remote is not None:     # [remote tier] its account of this build (after a bounded flush)
+            log.plain(ws.store.remote.summary())
         if not verdict["pass"]:
             th = verdict["thresholds"]
             return TaskFailed(f"{target['path']}: numerics: numerical test failed (min cosine "
@@ -212,8 +214,9 @@ def _tasks(root: Path):
     from .targets import discover, load_target
     try:
         ws = Workspace.at(root)
-    except UserError as exc:
-        yield {"basename": "build", "name": "all", "actions": [_broken(str(exc))]}
+    except UserError as exc:   # a bad setting (cache, remote): every build: task fails with it
+        for name in [p.stem for p in discover(root)] or ["all"]:
+            yield {"basename": "build", "name": name, "actions": [_broken(str(exc))]}
         return
     yield {"basename": "plugins", "actions": [_list_plugins(ws)], "uptodate": [False], "verbosity": 2,
            "doc": "list the loaded plugins, their versions and the hooks each implements"}
