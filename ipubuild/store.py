@@ -44,9 +44,10 @@ class Store:
                                      eviction_policy="least-recently-stored")
         self.meta = diskcache.Cache(str(self.root / "actions"), size_limit=2**62,
                                     eviction_policy="none")
-        # [remote tier] None unless $IPUBUILD_REMOTE_CACHE is set. Imported by name: the tier
-        # only moves verified bytes, so its code stays out of every phase's code fingerprint.
-        self.remote = importlib.import_module("ipubuild.remote").from_environment()
+        # [remote tier] None unless $IPUBUILD_REMOTE_CACHE is set (and only then imported). Imported
+        # by name: it only moves verified bytes, so its code stays out of the phases' fingerprints.
+        self.remote = (importlib.import_module("ipubuild.remote").from_environment()
+                       if os.environ.get("IPUBUILD_REMOTE_CACHE", "").strip() else None)
 
     # blobs ---------------------------------------------------------------------------------
     def put(self, data: bytes, *, pin: bool = False) -> str:
@@ -128,32 +129,28 @@ class Store:
         """The output digests recorded for an action key, or None."""
         record = self._get_record("ac:" + action_key)
         if self.remote is not None:                              # [remote tier] read through
-            raw = self.remote.get_action(action_key, local_hit=record is not None)   # verified
-            if raw is not None:
+            found = self.remote.get_action(action_key, local_hit=record is not None)   # verified
+            if found is not None:    # the record, and how to rebuild each output (kept first)
+                raw, provenance = found
+                for digest, prov in provenance.items():
+                    self._put_record("prov:" + digest, prov)
                 self.meta.set("ac:" + action_key, raw)
                 record = self._get_record("ac:" + action_key)
         return record
 
     def put_action(self, action_key: str, outputs: dict) -> None:
         raw = self._put_record("ac:" + action_key, outputs)
-        if self.remote is not None:                              # [remote tier] write behind
-            self.remote.put_action(action_key, raw)
+        if self.remote is not None:                              # [remote tier] write behind, with
+            self.remote.put_action(action_key, raw,             # how to rebuild its outputs
+                                   {d: self.get_provenance(d) for d in outputs.values()})
 
     def get_provenance(self, digest: str) -> dict | None:
         """How a blob was made: the phase, its input digests and configuration, the output slot."""
-        record = self._get_record("prov:" + digest)
-        if record is None and self.remote is not None:           # [remote tier] read through
-            raw = self.remote.get_provenance(digest)             # verified
-            if raw is not None:
-                self.meta.set("prov:" + digest, raw)
-                record = self._get_record("prov:" + digest)
-        return record
+        return self._get_record("prov:" + digest)
 
     def put_provenance(self, digest: str, record: dict) -> None:
         """Record how a blob was made (the latest maker wins: its inputs are the freshest)."""
-        raw = self._put_record("prov:" + digest, record)
-        if self.remote is not None:                              # [remote tier] write behind
-            self.remote.put_provenance(digest, raw)
+        self._put_record("prov:" + digest, record)
 
     def close(self) -> None:
         if self.remote is not None:                              # [remote tier] bounded flush

@@ -63,8 +63,16 @@ http {{
     }}
     location /broken/ {{ return 500; }}
   }}
-}}
+{tls}}}
 """
+TLS = """  server {{
+    listen 127.0.0.1:{port} ssl; ssl_certificate {root}/cert.pem; ssl_certificate_key {root}/key.pem;
+    location / {{
+      root {root}/data; dav_methods PUT DELETE; create_full_put_path on; dav_access user:rw all:r;
+    }}
+  }}
+"""
+OPENSSL = shutil.which("openssl")
 
 
 def _free_port() -> int:
@@ -74,7 +82,8 @@ def _free_port() -> int:
 
 
 class Nginx:
-    """A WebDAV nginx on a free loopback port; everything it writes lives under ``root``."""
+    """A WebDAV nginx on a free loopback port (and, with openssl, HTTPS on another, with a
+    self-signed certificate for 127.0.0.1); everything it writes lives under ``root``."""
 
     def __init__(self, root: Path):
         self.root = Path(root)
@@ -82,10 +91,17 @@ class Nginx:
         for d in (self.data, self.root / "tmp"):
             d.mkdir(parents=True, exist_ok=True)
         (self.root / "htpasswd").write_text(f"{USER}:{{PLAIN}}{PASSWORD}\n")
+        self.cert = self.root / "cert.pem"
+        if OPENSSL and subprocess.run(
+                [OPENSSL, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+                 "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(self.root / "key.pem"),
+                 "-out", str(self.cert)], capture_output=True).returncode != 0:
+            self.cert.unlink(missing_ok=True)
         self.proc = None
         for _ in range(5):    # the free port may be taken between picking and binding it
-            self.port = _free_port()
-            (self.root / "nginx.conf").write_text(CONF.format(root=self.root, port=self.port))
+            self.port, self.tls_port = _free_port(), _free_port()
+            tls = TLS.format(root=self.root, port=self.tls_port) if self.cert.exists() else ""
+            (self.root / "nginx.conf").write_text(CONF.format(root=self.root, port=self.port, tls=tls))
             self.proc = subprocess.Popen([NGINX, "-e", str(self.root / "error.log"), "-c",
                                           str(self.root / "nginx.conf"), "-p", str(self.root)],
                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -183,6 +199,22 @@ def test_round_trip_miss_and_keep_alive(server, fast):
 
 
 @needs_nginx
+def test_https_with_a_trusted_certificate_and_not_without(server, fast, monkeypatch, logged):
+    if not server.cert.exists():
+        pytest.skip("openssl could not make a test certificate")
+    url = f"https://127.0.0.1:{server.tls_port}/unit/tls"
+    monkeypatch.setenv("SSL_CERT_FILE", str(server.cert))
+    client = HttpCache(url)
+    client.put("cas", "3" * 64, b"over TLS")
+    assert client.get("cas", "3" * 64) == b"over TLS"
+    monkeypatch.delenv("SSL_CERT_FILE")
+    t = tier(url)
+    assert t.get_blob("3" * 64) is None
+    lines = warnings(logged.getvalue())
+    assert len(lines) == 1 and "TLS error" in lines[0] and "CERTIFICATE_VERIFY_FAILED" in lines[0], lines
+
+
+@needs_nginx
 def test_a_stale_keep_alive_connection_is_retried(server, fast):
     client = HttpCache(server.url("unit/stale"))
     assert client.get("ac", "c" * 64) is None
@@ -200,15 +232,27 @@ def test_tier_verifies_blobs_and_records_and_never_stores_a_bad_one(server, fast
     bad.put("cas", key, good[:-1] + b"X")                       # lies about its content
     bad.put("ac", "d" * 64, b"0" * 64 + b'{"out":"x"}')          # checksum does not match
     bad.put("ac", "e" * 64, _record({"out": "not a digest"}))    # checksum ok, shape wrong
+    prov = {"phase": "p", "inputs": {}, "config": {}, "output": "o"}
+    bad.put("ac", "f" * 64, _record({"o": key}))                 # good, but no provenance: cannot be rebuilt
+    bad.put("ac", "1" * 64, _record({"o": key}))                 # provenance of another output
+    bad.put("ac", remote.provenance_key("1" * 64), _record({"2" * 64: prov}))
+    bad.put("ac", "3" * 64, _record({"o": key}))                 # all well
+    bad.put("ac", remote.provenance_key("3" * 64), _record({key: prov}))
     monkeypatch.setenv("IPUBUILD_REMOTE_CACHE", base)
+    monkeypatch.setattr(remote, "MAX_FAILURES", 10)
     store = Store(tmp_path / "cache")
     try:
         assert store.get(key) is None
         assert key not in store.blobs                             # never stored locally
-        assert store.get_action("d" * 64) is None
-        assert store.get_action("e" * 64) is None
+        for k in "def1":
+            assert store.get_action(k * 64) is None
+            assert store._get_record("ac:" + k * 64) is None
+        assert store.get_provenance(key) is None
+        assert store.get_action("3" * 64) == {"o": key}
+        assert store.get_provenance(key) == prov                  # kept with the record
         stats = store.remote.stats
-        assert stats["verify_failures"] == 3 and stats["misses"] == 2 and stats["blobs_down"] == 0
+        assert stats["verify_failures"] == 4 and stats["misses"] == 4 and stats["remote_hits"] == 1
+        assert stats["blobs_down"] == 0
     finally:
         store.close()
     lines = warnings(logged.getvalue())
@@ -224,22 +268,24 @@ def test_store_reads_through_and_writes_behind(server, fast, tmp_path, monkeypat
     src = one.put(b"a source file", pin=True)
     one.put_provenance(key, {"phase": "p", "inputs": {"x": src}, "config": {}, "output": "o"})
     one.put_action("f" * 64, {"o": key})
+    one.put_action("e" * 64, {"o": "4" * 64})                # no provenance: not shared
     assert one.remote.flush(10)
-    assert one.remote.stats["uploads"] == 4
+    assert one.remote.stats["uploads"] == 4                  # blob, source, provenance, record
     one.close()
 
     two = Store(tmp_path / "two")
     try:
+        assert two.get_action("e" * 64) is None
         assert two.get_action("f" * 64) == {"o": key}
         assert two.remote.stats["blobs_down"] == 0            # a record hit downloads no output
-        assert two.get_provenance(key)["inputs"] == {"x": src}
+        assert two.get_provenance(key)["inputs"] == {"x": src}   # but says how to rebuild it
         assert two.get(src) == b"a source file"               # pinned blobs are shared too
         assert two.get(key) == blob
         assert two.get_action("f" * 64) == {"o": key}        # now a local hit
         s = two.remote.stats
-        assert (s["local_hits"], s["remote_hits"], s["misses"], s["blobs_down"]) == (1, 1, 0, 2)
+        assert (s["local_hits"], s["remote_hits"], s["misses"], s["blobs_down"]) == (1, 1, 1, 2)
         assert s["up"] == 0                                    # what came down is not sent back
-        assert re.fullmatch(r"cache: local_hits=1 remote_hits=1 misses=0 down=\d+B up=0B "
+        assert re.fullmatch(r"cache: local_hits=1 remote_hits=1 misses=1 down=\d+B up=0B "
                             r"verify_failures=0 errors=0", two.remote.summary())
     finally:
         two.close()
@@ -512,6 +558,7 @@ def test_a_plugin_adds_a_backend(tmp_path, monkeypatch):
         assert set(remote.backends()) >= {"http", "https", "memtest"}
         one = Store(tmp_path / "one")
         key = one.put(b"shared")
+        one.put_provenance(key, {"phase": "p", "inputs": {}, "config": {}, "output": "o"})
         one.put_action("7" * 64, {"o": key})
         one.close()
         import memtest_cache
@@ -524,7 +571,8 @@ def test_a_plugin_adds_a_backend(tmp_path, monkeypatch):
 
 
 def test_the_hook_keeps_plugin_loading_light_and_the_tier_out_of_fingerprints():
-    code = ("import sys; from ipubuild.plugins import get_plugin_manager; get_plugin_manager(); "
+    code = ("import sys, tempfile; from ipubuild.plugins import get_plugin_manager; get_plugin_manager(); "
+            "from ipubuild.store import Store; Store(tempfile.mkdtemp()).close(); "
             "print(sorted(m for m in ('ipubuild.remote', 'ipubuild.remote.http', 'http.client') if m in sys.modules))")
     e = {k: v for k, v in os.environ.items() if not k.startswith("IPUBUILD_REMOTE_CACHE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, check=True)

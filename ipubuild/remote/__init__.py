@@ -7,7 +7,9 @@ miss and hands it what it stores:
 
 * **Reads** are verified before use: a blob against its sha256, a record against its checksum
   and shape. What fails is counted, warned about once, treated as a miss and never stored.
-  Action-record hits do not download their outputs: a blob comes down only when it is read.
+  An action-record hit does not download its outputs (a blob comes down only when it is read)
+  but does bring how to rebuild each of them (their provenance), and is a hit only if it can:
+  so a blob the remote has lost or lies about is rebuilt from its producer, as a local one is.
 * **Writes** go behind the build: a queue bounded in bytes, drained by one thread in order (a
   record is uploaded after the blobs it names), flushed with a bounded wait at the end of a
   build. ``IPUBUILD_REMOTE_CACHE_UPLOAD=0`` makes a read-only client.
@@ -16,10 +18,10 @@ miss and hands it what it stores:
   again in this process; other failures switch a direction (reads, writes) off after
   ``MAX_FAILURES``. Nothing here raises into the build.
 
-Remote keys: blobs ``cas/<sha256>``; action records ``ac/<action key>``; the provenance of a
-blob (how to rebuild it, so that a lying or trimmed remote can be healed) ``ac/<sha256 of
-"ipubuild-provenance:" + digest>``. Records are the local store's bytes: the sha256 hex of the
-payload, then the canonical-JSON payload.
+Remote keys: blobs ``cas/<sha256>``; action records ``ac/<action key>`` (the local store's
+bytes: the sha256 hex of the canonical-JSON payload, then the payload); the provenance of an
+action's outputs ``ac/<sha256 of "ipubuild-provenance:" + action key>`` (the same format, a
+payload ``{output digest: provenance record}``), uploaded before the action record.
 
 Counters (``stats``) are per process. A forked search worker hands its counters, and any warning
 it would print, to the parent with each evaluation (``take`` / ``merge``).
@@ -115,9 +117,15 @@ def from_environment() -> "RemoteCache | None":
 
 
 # checks of what comes down ------------------------------------------------------------------------
-def provenance_key(digest: str) -> str:
-    """The remote ``ac`` key under which the provenance of blob ``digest`` lives."""
-    return canonical.digest(b"ipubuild-provenance:" + digest.encode())
+def provenance_key(action_key: str) -> str:
+    """The remote ``ac`` key under which the provenance of an action's outputs lives."""
+    return canonical.digest(b"ipubuild-provenance:" + action_key.encode())
+
+
+def checksummed(value) -> bytes:
+    """A record in the store's format: the sha256 hex of the canonical payload, then the payload."""
+    payload = canonical.dumps(value)
+    return canonical.digest(payload).encode() + payload
 
 
 def _record_value(raw: bytes):
@@ -142,6 +150,11 @@ def _action_ok(value) -> bool:
 def _provenance_ok(value) -> bool:
     return (isinstance(value, dict) and isinstance(value.get("phase"), str) and _digests(value.get("inputs"))
             and isinstance(value.get("config"), dict) and isinstance(value.get("output"), str))
+
+
+def _digests_of_provenance(value) -> bool:
+    return (isinstance(value, dict) and all(isinstance(k, str) and _HEX64.match(k) and _provenance_ok(v)
+                                            for k, v in value.items()))
 
 
 # the tier ---------------------------------------------------------------------------------------
@@ -286,31 +299,39 @@ class RemoteCache:
             return None
         return raw
 
-    def get_action(self, action_key: str, *, local_hit: bool) -> bytes | None:
-        """Count an action lookup; on a local miss, the verified record bytes from the remote
-        (the local store's format), or None. Its outputs are not downloaded."""
+    def get_action(self, action_key: str, *, local_hit: bool) -> tuple[bytes, dict] | None:
+        """Count an action lookup. On a local miss: the verified record bytes from the remote
+        (the local store's format) and ``{output digest: provenance record}`` for each of its
+        outputs — or None if either is missing or does not verify. Outputs are not downloaded."""
         if local_hit:
             with self._lock:
                 self.stats["local_hits"] += 1
             return None
+        found = None
         raw = self._get_record(action_key, _action_ok, f"action record {action_key[:16]}")
+        if raw is not None:
+            outputs = set(canonical.loads(raw[64:]).values())
+            prov = self._get_record(provenance_key(action_key),
+                                    lambda v: _digests_of_provenance(v) and set(v) == outputs,
+                                    f"provenance of action {action_key[:16]}")
+            if prov is not None:
+                found = raw, canonical.loads(prov[64:])
         with self._lock:
-            self.stats["remote_hits" if raw is not None else "misses"] += 1
-        return raw
-
-    def get_provenance(self, digest: str) -> bytes | None:
-        """The verified provenance record of blob ``digest`` from the remote, or None."""
-        return self._get_record(provenance_key(digest), _provenance_ok, f"provenance of {digest[:16]}")
+            self.stats["remote_hits" if found is not None else "misses"] += 1
+        return found
 
     # writes --------------------------------------------------------------------------------
     def put_blob(self, digest: str, data: bytes) -> None:
         self._enqueue("cas", digest, data)
 
-    def put_action(self, action_key: str, raw: bytes) -> None:
+    def put_action(self, action_key: str, raw: bytes, provenance: dict) -> None:
+        """Upload an action record (its bytes as stored) after the provenance of its outputs
+        (``{digest: provenance record}``); an action some output of which has no provenance
+        is not shared (no one could rebuild that output)."""
+        if any(not _provenance_ok(p) for p in provenance.values()):
+            return
+        self._enqueue("ac", provenance_key(action_key), checksummed(provenance))
         self._enqueue("ac", action_key, raw)
-
-    def put_provenance(self, digest: str, raw: bytes) -> None:
-        self._enqueue("ac", provenance_key(digest), raw)
 
     def _enqueue(self, kind: str, key: str, data: bytes) -> None:
         if not self.upload or "write" in self._off:
