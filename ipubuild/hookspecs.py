@@ -104,7 +104,7 @@ def ipubuild_cache_backends():
     (again in each forked worker process) and gives an object with:
 
     * ``get(kind, key) -> bytes | None`` — ``kind`` is ``"cas"`` (``key`` is the blob's sha256)
-      or ``"ac"`` (``key`` is a 64-hex record key); None when the entry does not exist;
+      or ``"ac"`` (``key`` is an action key, 64 hex characters); None when the entry does not exist;
     * ``put(kind, key, data: bytes) -> None`` — store (overwrite) the entry;
     * optionally ``close()`` — release connections.
 

@@ -105,11 +105,9 @@ class Store:
         self.blobs.delete(key)
 
     # checksummed records ------------------------------------------------------------------
-    def _put_record(self, key: str, value) -> bytes:
+    def _put_record(self, key: str, value) -> None:
         payload = canonical.dumps(value)
-        raw = canonical.digest(payload).encode() + payload
-        self.meta.set(key, raw)
-        return raw
+        self.meta.set(key, canonical.digest(payload).encode() + payload)
 
     def _get_record(self, key: str):
         try:
@@ -131,17 +129,16 @@ class Store:
         if self.remote is not None:                              # [remote tier] read through
             found = self.remote.get_action(action_key, local_hit=record is not None)   # verified
             if found is not None:    # the record, and how to rebuild each output (kept first)
-                raw, provenance = found
+                record, provenance = found
                 for digest, prov in provenance.items():
                     self._put_record("prov:" + digest, prov)
-                self.meta.set("ac:" + action_key, raw)
-                record = self._get_record("ac:" + action_key)
+                self._put_record("ac:" + action_key, record)
         return record
 
     def put_action(self, action_key: str, outputs: dict) -> None:
-        raw = self._put_record("ac:" + action_key, outputs)
+        self._put_record("ac:" + action_key, outputs)
         if self.remote is not None:                              # [remote tier] write behind, with
-            self.remote.put_action(action_key, raw,             # how to rebuild its outputs
+            self.remote.put_action(action_key, outputs,         # how to rebuild its outputs
                                    {d: self.get_provenance(d) for d in outputs.values()})
 
     def get_provenance(self, digest: str) -> dict | None:

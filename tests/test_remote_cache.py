@@ -230,28 +230,28 @@ def test_tier_verifies_blobs_and_records_and_never_stores_a_bad_one(server, fast
     key = canonical.digest(good)
     bad = HttpCache(base)
     bad.put("cas", key, good[:-1] + b"X")                       # lies about its content
-    bad.put("ac", "d" * 64, b"0" * 64 + b'{"out":"x"}')          # checksum does not match
-    bad.put("ac", "e" * 64, _record({"out": "not a digest"}))    # checksum ok, shape wrong
     prov = {"phase": "p", "inputs": {}, "config": {}, "output": "o"}
-    bad.put("ac", "f" * 64, _record({"o": key}))                 # good, but no provenance: cannot be rebuilt
-    bad.put("ac", "1" * 64, _record({"o": key}))                 # provenance of another output
-    bad.put("ac", remote.provenance_key("1" * 64), _record({"2" * 64: prov}))
-    bad.put("ac", "3" * 64, _record({"o": key}))                 # all well
-    bad.put("ac", remote.provenance_key("3" * 64), _record({key: prov}))
+    good_entry = remote.action_entry("3" * 64, {"o": key}, {key: prov})
+    bad.put("ac", "d" * 64, b"0" * 64 + good_entry[64:])              # checksum does not match
+    bad.put("ac", "e" * 64, remote.action_entry("e" * 64, {"o": "not a digest"}, {}))   # shape
+    bad.put("ac", "f" * 64, remote.action_entry("f" * 64, {"o": key}, {}))   # no provenance: cannot be rebuilt
+    bad.put("ac", "1" * 64, good_entry)                               # another action's entry
+    bad.put("ac", "2" * 64, _record({"o": key}))                      # a bare record, not an entry
+    bad.put("ac", "3" * 64, good_entry)                               # all well
     monkeypatch.setenv("IPUBUILD_REMOTE_CACHE", base)
     monkeypatch.setattr(remote, "MAX_FAILURES", 10)
     store = Store(tmp_path / "cache")
     try:
         assert store.get(key) is None
         assert key not in store.blobs                             # never stored locally
-        for k in "def1":
+        for k in "def12":
             assert store.get_action(k * 64) is None
             assert store._get_record("ac:" + k * 64) is None
         assert store.get_provenance(key) is None
         assert store.get_action("3" * 64) == {"o": key}
         assert store.get_provenance(key) == prov                  # kept with the record
         stats = store.remote.stats
-        assert stats["verify_failures"] == 4 and stats["misses"] == 4 and stats["remote_hits"] == 1
+        assert stats["verify_failures"] == 6 and stats["misses"] == 5 and stats["remote_hits"] == 1
         assert stats["blobs_down"] == 0
     finally:
         store.close()
@@ -270,7 +270,7 @@ def test_store_reads_through_and_writes_behind(server, fast, tmp_path, monkeypat
     one.put_action("f" * 64, {"o": key})
     one.put_action("e" * 64, {"o": "4" * 64})                # no provenance: not shared
     assert one.remote.flush(10)
-    assert one.remote.stats["uploads"] == 4                  # blob, source, provenance, record
+    assert one.remote.stats["uploads"] == 3                  # blob, source, action entry
     one.close()
 
     two = Store(tmp_path / "two")
@@ -726,18 +726,17 @@ def test_a_protected_remote_with_and_without_credentials(server, filled, code, t
                                                   IPUBUILD_REMOTE_CACHE_HEADER=f"Authorization: Basic {token}"))
     assert_passed(run, NAME)
     assert summary(run)["misses"] == 0 and remote_warnings(run) == []
-
-    bad = make_tree(tmp_path / "bad")
-    wrong = f"{USER}:wrong-{PASSWORD}"
-    run = doit(bad, f"build:{NAME}", environ=env(code, IPUBUILD_REMOTE_CACHE=server.url("secure/team", wrong)))
-    assert_passed(run, NAME)
-    assert package(bad, NAME) == package(first, NAME)
-    lines = remote_warnings(run)
-    assert len(lines) == 1 and "HTTP 401" in lines[0], run.tail()
-    assert summary(run)["remote_hits"] == 0
-    secrets = [PASSWORD.encode(), base64.b64encode(wrong.encode()), token.encode()]
+    secrets = [PASSWORD.encode(), token.encode()]
     assert not [s for s in secrets if s in run.output.encode()]
-    for path in bad.rglob("*"):      # the cache, the trace, the artifacts, doit's DB
+    for path in good.rglob("*"):      # the cache, the trace, the artifacts, doit's DB
         if path.is_file():
             body = path.read_bytes()
             assert not [s for s in secrets if s in body], path
+
+    bad = make_tree(tmp_path / "bad")
+    run = doit(bad, f"build:{NAME}", environ=env(code, IPUBUILD_REMOTE_CACHE=server.url("secure/team")))
+    assert_passed(run, NAME)
+    assert package(bad, NAME) == package(first, NAME)
+    lines = remote_warnings(run)
+    assert len(lines) == 1 and "HTTP 401" in lines[0] and "check the credentials" in lines[0], run.tail()
+    assert summary(run)["remote_hits"] == 0 and summary(run)["up"] == 0

@@ -5,23 +5,23 @@ Off unless ``$IPUBUILD_REMOTE_CACHE`` holds a URL; the backend for its scheme co
 ``ipubuild.remote.http``). The local store (``ipubuild.store.Store``) asks this tier on a local
 miss and hands it what it stores:
 
-* **Reads** are verified before use: a blob against its sha256, a record against its checksum
-  and shape. What fails is counted, warned about once, treated as a miss and never stored.
-  An action-record hit does not download its outputs (a blob comes down only when it is read)
-  but does bring how to rebuild each of them (their provenance), and is a hit only if it can:
-  so a blob the remote has lost or lies about is rebuilt from its producer, as a local one is.
-* **Writes** go behind the build: a queue bounded in bytes, drained by one thread in order (a
-  record is uploaded after the blobs it names), flushed with a bounded wait at the end of a
-  build. ``IPUBUILD_REMOTE_CACHE_UPLOAD=0`` makes a read-only client.
+* **Reads** are verified before use: a blob against its sha256, an action entry against its
+  checksum, key and shape. What fails is counted, warned about once, treated as a miss and
+  never stored. An action hit does not download its outputs (a blob comes down only when it is
+  read) but brings how to rebuild each of them (their provenance), and is a hit only then: so a
+  blob the remote has lost or lies about is rebuilt from its producer, as a local one is.
+* **Writes** go behind the build: a queue bounded in bytes, drained by one thread in order (an
+  action entry is uploaded after the blobs it names), flushed with a bounded wait at the end of
+  a build. ``IPUBUILD_REMOTE_CACHE_UPLOAD=0`` makes a read-only client.
 * **Failures** (unreachable, slow, HTTP errors, garbage, a lying server) cost one warning line
   per build, and the build goes on locally. An unreachable or timed-out remote is not asked
   again in this process; other failures switch a direction (reads, writes) off after
   ``MAX_FAILURES``. Nothing here raises into the build.
 
-Remote keys: blobs ``cas/<sha256>``; action records ``ac/<action key>`` (the local store's
-bytes: the sha256 hex of the canonical-JSON payload, then the payload); the provenance of an
-action's outputs ``ac/<sha256 of "ipubuild-provenance:" + action key>`` (the same format, a
-payload ``{output digest: provenance record}``), uploaded before the action record.
+Remote keys: blobs ``cas/<sha256>``; actions ``ac/<action key>``, one entry each
+(``action_entry``): a checksummed record in the store's format whose payload names its format
+and its own key (so an entry served under another key is refused) and holds the action's output
+digests and the provenance of each. One GET per action hit, one PUT per action run.
 
 Counters (``stats``) are per process. A forked search worker hands its counters, and any warning
 it would print, to the parent with each evaluation (``take`` / ``merge``).
@@ -116,26 +116,35 @@ def from_environment() -> "RemoteCache | None":
     return RemoteCache(url, found[scheme], upload=_upload_enabled(), flush_seconds=timeouts()[1])
 
 
-# checks of what comes down ------------------------------------------------------------------------
-def provenance_key(action_key: str) -> str:
-    """The remote ``ac`` key under which the provenance of an action's outputs lives."""
-    return canonical.digest(b"ipubuild-provenance:" + action_key.encode())
+# the remote action entry --------------------------------------------------------------------------
+ENTRY_FORMAT = "ipubuild-action/1"
 
 
-def checksummed(value) -> bytes:
-    """A record in the store's format: the sha256 hex of the canonical payload, then the payload."""
-    payload = canonical.dumps(value)
+def action_entry(action_key: str, outputs: dict, provenance: dict) -> bytes:
+    """The bytes stored at ``ac/<action key>``: a checksummed record, in the store's format (the
+    sha256 hex of the canonical-JSON payload, then the payload), whose payload names its format
+    and its key and holds the output digests and how to rebuild each of them."""
+    payload = canonical.dumps({"format": ENTRY_FORMAT, "key": action_key, "outputs": outputs,
+                               "provenance": provenance})
     return canonical.digest(payload).encode() + payload
 
 
-def _record_value(raw: bytes):
-    """The payload of a checksummed record (the store's format), or None if it does not verify."""
+def read_entry(action_key: str, raw: bytes) -> tuple[dict, dict] | None:
+    """(outputs, {output digest: provenance}) of an entry that verifies — its checksum, format,
+    key and shape, with the provenance of every output — or None."""
     if len(raw) < 64 or canonical.digest(raw[64:]).encode() != raw[:64]:
         return None
     try:
-        return canonical.loads(raw[64:])
+        value = canonical.loads(raw[64:])
     except ValueError:
         return None
+    if not isinstance(value, dict) or value.get("format") != ENTRY_FORMAT or value.get("key") != action_key:
+        return None
+    outputs, provenance = value.get("outputs"), value.get("provenance")
+    if not _digests(outputs) or not isinstance(provenance, dict) or set(provenance) != set(outputs.values()) \
+            or not all(_provenance_ok(p) for p in provenance.values()):
+        return None
+    return outputs, provenance
 
 
 def _digests(value) -> bool:
@@ -143,18 +152,9 @@ def _digests(value) -> bool:
                                            for k, v in value.items())
 
 
-def _action_ok(value) -> bool:
-    return _digests(value)
-
-
 def _provenance_ok(value) -> bool:
     return (isinstance(value, dict) and isinstance(value.get("phase"), str) and _digests(value.get("inputs"))
             and isinstance(value.get("config"), dict) and isinstance(value.get("output"), str))
-
-
-def _digests_of_provenance(value) -> bool:
-    return (isinstance(value, dict) and all(isinstance(k, str) and _HEX64.match(k) and _provenance_ok(v)
-                                            for k, v in value.items()))
 
 
 # the tier ---------------------------------------------------------------------------------------
@@ -180,8 +180,10 @@ class RemoteCache:
 
     def _fresh_process(self) -> None:
         self.stats: collections.Counter = collections.Counter()
-        self._lock = threading.Lock()              # guards everything below; never held
-        self._cond = threading.Condition(self._lock)   # while calling the backend or logging
+        # one lock guards the counters, the queue and the flags; it is never held while calling
+        # the backend or logging
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()
         self._queued_bytes = 0
         self._busy = 0                       # uploads taken off the queue, not yet finished
@@ -243,12 +245,13 @@ class RemoteCache:
         if "write" in newly:
             self._drop_queue()
 
-    def _call(self, direction: str, fn, *args):
-        """``fn(*args)`` on the backend; (True, result) or (False, None) after a failure."""
+    def _call(self, direction: str, fn):
+        """``fn()`` (a backend call); (True, its result), or (False, None) after a failure or
+        when this direction is off."""
         if direction in self._off:
             return False, None
         try:
-            return True, fn(*args)
+            return True, fn()
         except Exception as exc:  # noqa: BLE001 - fail open: any backend failure is a miss
             self._failed(direction, exc)
             return False, None
@@ -289,33 +292,18 @@ class RemoteCache:
             self.stats["blobs_down"] += 1
         return data
 
-    def _get_record(self, key: str, check, what: str) -> bytes | None:
-        raw = self._download("ac", key)
-        if raw is None:
-            return None
-        value = _record_value(raw)
-        if value is None or not check(value):
-            self._verify_failed(what)
-            return None
-        return raw
-
-    def get_action(self, action_key: str, *, local_hit: bool) -> tuple[bytes, dict] | None:
-        """Count an action lookup. On a local miss: the verified record bytes from the remote
-        (the local store's format) and ``{output digest: provenance record}`` for each of its
-        outputs — or None if either is missing or does not verify. Outputs are not downloaded."""
+    def get_action(self, action_key: str, *, local_hit: bool) -> tuple[dict, dict] | None:
+        """Count an action lookup. On a local miss: the verified outputs ``{name: digest}`` of
+        the action from the remote and ``{output digest: provenance record}`` (how to rebuild
+        each of them), or None. The outputs themselves are not downloaded."""
         if local_hit:
             with self._lock:
                 self.stats["local_hits"] += 1
             return None
-        found = None
-        raw = self._get_record(action_key, _action_ok, f"action record {action_key[:16]}")
-        if raw is not None:
-            outputs = set(canonical.loads(raw[64:]).values())
-            prov = self._get_record(provenance_key(action_key),
-                                    lambda v: _digests_of_provenance(v) and set(v) == outputs,
-                                    f"provenance of action {action_key[:16]}")
-            if prov is not None:
-                found = raw, canonical.loads(prov[64:])
+        raw = self._download("ac", action_key)
+        found = read_entry(action_key, raw) if raw is not None else None
+        if raw is not None and found is None:
+            self._verify_failed(f"action record {action_key[:16]}")
         with self._lock:
             self.stats["remote_hits" if found is not None else "misses"] += 1
         return found
@@ -324,14 +312,12 @@ class RemoteCache:
     def put_blob(self, digest: str, data: bytes) -> None:
         self._enqueue("cas", digest, data)
 
-    def put_action(self, action_key: str, raw: bytes, provenance: dict) -> None:
-        """Upload an action record (its bytes as stored) after the provenance of its outputs
-        (``{digest: provenance record}``); an action some output of which has no provenance
-        is not shared (no one could rebuild that output)."""
-        if any(not _provenance_ok(p) for p in provenance.values()):
+    def put_action(self, action_key: str, outputs: dict, provenance: dict) -> None:
+        """Upload an action's outputs with the provenance of each (``{digest: record}``); an
+        action some output of which has no provenance is not shared (no one could rebuild it)."""
+        if set(provenance) != set(outputs.values()) or not all(_provenance_ok(p) for p in provenance.values()):
             return
-        self._enqueue("ac", provenance_key(action_key), checksummed(provenance))
-        self._enqueue("ac", action_key, raw)
+        self._enqueue("ac", action_key, action_entry(action_key, outputs, provenance))
 
     def _enqueue(self, kind: str, key: str, data: bytes) -> None:
         if not self.upload or "write" in self._off:
