@@ -388,7 +388,11 @@ class RemoteCache:
     # counters ------------------------------------------------------------------------------
     def summary(self) -> str:
         """The build's one-line account, after a bounded flush of the uploads."""
-        self.flush()
+        t0 = time.monotonic()
+        if not self.flush():
+            log.info("remote cache: uploads left unfinished", pending=len(self._queue))
+        if time.monotonic() - t0 > 0.05:
+            log.info("remote cache: waited for uploads", seconds=f"{time.monotonic() - t0:.2f}")
         s = self.stats
         return (f"cache: local_hits={s['local_hits']} remote_hits={s['remote_hits']} misses={s['misses']} "
                 f"down={s['down']}B up={s['up']}B verify_failures={s['verify_failures']} errors={s['errors']}")
