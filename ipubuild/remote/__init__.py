@@ -129,16 +129,19 @@ def action_entry(action_key: str, outputs: dict, provenance: dict) -> bytes:
     return canonical.digest(payload).encode() + payload
 
 
-def read_entry(action_key: str, raw: bytes) -> tuple[dict, dict] | None:
+def read_entry(action_key: str, raw: bytes) -> tuple[dict, dict] | str | None:
     """(outputs, {output digest: provenance}) of an entry that verifies — its checksum, format,
-    key and shape, with the provenance of every output — or None."""
+    key and shape, with the provenance of every output —; ``"other format"`` for an intact
+    record of another format (another version, another tool: a miss, not a lie); else None."""
     if len(raw) < 64 or canonical.digest(raw[64:]).encode() != raw[:64]:
         return None
     try:
         value = canonical.loads(raw[64:])
     except ValueError:
         return None
-    if not isinstance(value, dict) or value.get("format") != ENTRY_FORMAT or value.get("key") != action_key:
+    if not isinstance(value, dict) or value.get("format") != ENTRY_FORMAT:
+        return "other format"
+    if value.get("key") != action_key:
         return None
     outputs, provenance = value.get("outputs"), value.get("provenance")
     if not _digests(outputs) or not isinstance(provenance, dict) or set(provenance) != set(outputs.values()) \
@@ -304,6 +307,8 @@ class RemoteCache:
         found = read_entry(action_key, raw) if raw is not None else None
         if raw is not None and found is None:
             self._verify_failed(f"action record {action_key[:16]}")
+        if isinstance(found, str):
+            found = None
         with self._lock:
             self.stats["remote_hits" if found is not None else "misses"] += 1
         return found

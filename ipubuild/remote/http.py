@@ -44,7 +44,8 @@ class HttpCache:
             port = parts.port
         except ValueError:
             port = -1
-        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query or parts.fragment:
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query \
+                or parts.fragment or not all(c.isprintable() and not c.isspace() for c in parts.path):
             raise UserError("IPUBUILD_REMOTE_CACHE", f"expected http(s)://host[:port][/prefix], got {self.where!r}")
         self.https = parts.scheme == "https"
         self.host, self.port = parts.hostname, port or (443 if self.https else 80)
