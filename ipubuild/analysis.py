@@ -33,8 +33,10 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
         pm = ws.plugins
         for name, _ in pm.list_name_plugin():
             watched += module_files(name)
-    except UserError as exc:
-        return {"tasks": [broken("build", "all", str(exc))], "watched": watched}
+    except UserError as exc:   # a bad setting (cache, remote, plugin): every build: task fails with it
+        from .targets import discover
+        return {"tasks": [broken("build", name, str(exc)) for name in [p.stem for p in discover(root)] or ["all"]],
+                "watched": watched, "provisional": True}
     tasks.append({"kind": "plugins"})
     cache_id = cache_identity(cache)
     known = _known_names(pm)

@@ -94,3 +94,27 @@ def ipubuild_device_backends():
     ``ipubuild.device.device_ownership``. The target's ``[target] device`` names the one used.
     All results are merged; a name declared twice is an error.
     """
+
+
+@hookspec
+def ipubuild_cache_backends():
+    """Declare remote cache backends (the second cache tier, ``$IPUBUILD_REMOTE_CACHE``).
+
+    Return ``{scheme: factory}``; ``factory(url)`` is called with the URL when a build starts
+    (again in each forked worker process) and gives an object with:
+
+    * ``get(kind, key) -> bytes | None`` — ``kind`` is ``"cas"`` (``key`` is the blob's sha256)
+      or ``"ac"`` (``key`` is an action key, 64 hex characters); None when the entry does not exist;
+    * ``put(kind, key, data: bytes) -> None`` — store (overwrite) the entry;
+    * optionally ``close()`` — release connections.
+
+    A malformed URL raises ``ipubuild.errors.UserError("IPUBUILD_REMOTE_CACHE", ...)`` from the
+    factory. A failed request raises ``ipubuild.remote.RemoteError(message)`` — with
+    ``unreachable=True`` when the remote cannot be reached in time, which stops ipubuild asking
+    it for the rest of the build; the message names the request, never a credential. ipubuild
+    verifies everything it gets, counts failures, warns once per build and goes on locally, so
+    a backend need not retry. ``get`` and ``put`` are called from several threads at once (the
+    build and the upload thread) and must be thread-safe; an object is used only in the process
+    that made it. The built-in ``http``/``https`` backend is ``ipubuild.builtin.httpcache``.
+    All results are merged; a scheme declared twice is an error.
+    """

@@ -18,7 +18,7 @@ from .errors import UserError
 from .fingerprint import code_fingerprint
 
 BUILTIN_MODULES = ("ipubuild.builtin.operators", "ipubuild.builtin.vit", "ipubuild.builtin.casts",
-                   "ipubuild.builtin.heuristics", "ipubuild.builtin.simulator")
+                   "ipubuild.builtin.heuristics", "ipubuild.builtin.simulator", "ipubuild.builtin.httpcache")
 
 
 class PluginManager(pluggy.PluginManager):

@@ -223,10 +223,13 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
 _worker: dict = {}
 
 
-def _evaluate_in_worker(attempt: int, proposal: int, layout: dict) -> dict:
+def _evaluate_in_worker(attempt: int, proposal: int, layout: dict, forked: bool = False) -> dict:
     w = _worker
     with span("local_candidate", attempt=attempt, proposal=proposal):
-        return evaluate(w["engine"], w["base"], layout, w["config"])
+        result = evaluate(w["engine"], w["base"], layout, w["config"])
+    if forked and w["engine"].store.remote is not None:   # [remote tier] this worker's counters, for the parent
+        result["remote"] = w["engine"].store.remote.take()
+    return result
 
 
 class Pool:
@@ -243,8 +246,12 @@ class Pool:
     def map(self, jobs: list[tuple]) -> list[dict]:
         if self.executor is None:
             return [_evaluate_in_worker(*j) for j in jobs]
-        futures = [self.executor.submit(_evaluate_in_worker, *j) for j in jobs]
-        return [f.result() for f in futures]
+        futures = [self.executor.submit(_evaluate_in_worker, *j, True) for j in jobs]
+        results = [f.result() for f in futures]
+        for r in results:                                      # [remote tier] workers' counters
+            if "remote" in r:
+                _worker["engine"].store.remote.merge(r.pop("remote"))
+        return results
 
     def close(self):
         if self.executor is not None:

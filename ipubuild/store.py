@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import importlib
 import os
 import sqlite3
 import threading
@@ -86,6 +87,11 @@ class Store:
         self.size_limit = size_limit
         self._caches: dict[str, object] = {}
         self._open_lock = threading.RLock()
+        # the shared tier (ipubuild.remote), if $IPUBUILD_REMOTE_CACHE is set; imported by name,
+        # and only then: it only moves verified bytes, so its code stays out of the phases'
+        # fingerprints
+        self.remote = (importlib.import_module("ipubuild.remote").from_environment()
+                       if os.environ.get("IPUBUILD_REMOTE_CACHE", "").strip() else None)
 
     # opening and healing ------------------------------------------------------------------------
     def _cache(self, name: str):
@@ -171,10 +177,15 @@ class Store:
         and a corrupt stored copy of it is replaced."""
         key = canonical.digest(data)
         if pin:
-            if self._get_pinned(key) is None:
-                self._call("actions", lambda c: c.set("pin:" + key, bytes(data)))
+            if self._get_pinned(key) is not None:
+                return key
+            self._call("actions", lambda c: c.set("pin:" + key, bytes(data)))
         elif not self._call("cas", lambda c: key in c):
             self._call("cas", lambda c: c.set(key, bytes(data)))
+        else:
+            return key
+        if self.remote is not None:          # new here: written behind to the shared tier
+            self.remote.put_blob(key, data)
         return key
 
     def _get_pinned(self, key: str) -> bytes | None:
@@ -196,7 +207,16 @@ class Store:
         return self._call(name, read)
 
     def get(self, key: str) -> bytes | None:
-        """The verified blob for a digest, or None if it is missing or was corrupt (then dropped)."""
+        """The verified blob for a digest, or None if it is missing or was corrupt (then dropped);
+        a local miss asks the shared tier, if any (its answer verified, and kept here)."""
+        data = self._get_local(key)
+        if data is None and self.remote is not None:
+            data = self.remote.get_blob(key)
+            if data is not None:
+                self._call("cas", lambda c: c.set(key, data))
+        return data
+
+    def _get_local(self, key: str) -> bytes | None:
         data = self._read("cas", key)
         if data is None:
             if self._call("cas", lambda c: key in c):   # its file is gone but its row is not
@@ -237,11 +257,22 @@ class Store:
         return canonical.loads(payload)
 
     def get_action(self, action_key: str) -> dict | None:
-        """The output digests recorded for an action key, or None."""
-        return self._get_record("ac:" + action_key)
+        """The output digests recorded for an action key, or None (asking the shared tier, if any:
+        its record comes with how to rebuild each output, kept first)."""
+        record = self._get_record("ac:" + action_key)
+        if self.remote is not None:
+            found = self.remote.get_action(action_key, local_hit=record is not None)   # verified
+            if found is not None:
+                record, provenance = found
+                for digest, prov in provenance.items():
+                    self._put_record("prov:" + digest, prov)
+                self._put_record("ac:" + action_key, record)
+        return record
 
     def put_action(self, action_key: str, outputs: dict) -> None:
         self._put_record("ac:" + action_key, outputs)
+        if self.remote is not None:          # written behind, with how to rebuild its outputs
+            self.remote.put_action(action_key, outputs, {d: self.get_provenance(d) for d in outputs.values()})
 
     def get_provenance(self, digest: str) -> list[dict]:
         """How a blob was made, newest first: each record names the phase, its input digests and
@@ -258,6 +289,8 @@ class Store:
         self._put_record("prov:" + digest, [record, *known][:PROVENANCE_KEPT])
 
     def close(self) -> None:
+        if self.remote is not None:          # a bounded flush of the uploads
+            self.remote.close()
         with self._open_lock:
             for cache in self._caches.values():
                 with contextlib.suppress(Exception):

@@ -28,8 +28,11 @@ ENV = ("CC", "PATH", "PYTHONPATH", "PYTHONHASHSEED")
 
 
 def _env() -> dict:
+    """The environment the analysis depends on, as digests (values may hold credentials)."""
+    import hashlib
     keys = set(ENV) | {k for k in os.environ if k.startswith("IPUBUILD_")}
-    return {k: os.environ.get(k) for k in sorted(keys)}
+    return {k: hashlib.sha256(os.environ[k].encode()).hexdigest()[:32] if k in os.environ else None
+            for k in sorted(keys)}
 
 
 def _interpreter() -> list:

@@ -289,6 +289,9 @@ class Finish:
             f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}\n"
             f"package={entry['package_file']} tiles={verdict['tiles']} "
             f"device={entry['device']} deviceTest={device_word}\n")
+        ws = _workspaces.get(root)
+        if ws is not None and ws.store.remote is not None:   # what the shared cache did
+            sys.stdout.write(ws.store.remote.summary() + "\n")
         sys.stdout.flush()
         failure = None
         if not verdict["pass"]:
