@@ -67,7 +67,8 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
     compile_cfg = dict(target, compiler=compiler_cfg,
                        kernel_quantum=machine_file["code"]["reservation_quantum"])
     return [
-        step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params")},
+        step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params"),
+                                                 "float_reference": a("float_reference")},
              doc="build the model graph and place the FP8 casts"),
         step("compile_kernels", "compile_kernels", {"graph": a("graph")},
              {"objects": a("kernel_objects"), "code_sizes": a("kernel_code_sizes"),
@@ -121,6 +122,7 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
              {"device_run": a("device_run"), "profile": a("profile"), "trace": a("device_trace")},
              files={"profile": out / f"{t}.profile.json", "trace": out / f"{t}.device.trace.json"}),
         step("check_numerics", "check_numerics", {"device_run": a("device_run"), "reference": a("reference"),
+                                                  "float_reference": a("float_reference"),
                                                   "profile": a("profile"), "cost": a("cost")},
              {"verdict": a("verdict")}, files={"verdict": out / f"{t}.verdict.json"}),
         step("report_profile", "report_profile",

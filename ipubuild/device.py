@@ -66,19 +66,26 @@ def run_device(ctx):
             "trace": canonical.dumps({"traceEvents": run.trace, "displayTimeUnit": "ns"})}
 
 
-@phase("check_numerics", inputs=("device_run", "reference", "profile", "cost"), outputs=("verdict",),
-       config=("numerics.min_cosine", "numerics.max_abs_error"))
+@phase("check_numerics", inputs=("device_run", "reference", "float_reference", "profile", "cost"),
+       outputs=("verdict",), config=("numerics.min_cosine", "numerics.max_abs_error"))
 def check_numerics(ctx):
     """The verdict: the numerical test against the host reference, the device's own checks, and
-    the program's cost — everything the build's closing lines print."""
+    the program's cost — everything the build's closing lines print.
+
+    The test compares the device with the host reference *in device precision* (the same FP8 casts
+    at the same points): that isolates what the device and its kernels got wrong. The error
+    against the float32 model (before casts) is reported beside it — the quantisation error of
+    the cast policy, to compare policies — but does not gate."""
     from .reference import compare
     device, ref = tensors.unpack(ctx.bytes("device_run")), tensors.unpack(ctx.bytes("reference"))
     cos, err = compare(device, ref)
+    fcos, ferr = compare(device, tensors.unpack(ctx.bytes("float_reference")))
     n = ctx.config["numerics"]
     ok = bool(np.isfinite(cos) and cos >= n["min_cosine"] and err <= n["max_abs_error"])
     profile = ctx.json("profile")
     return {"verdict": canonical.dumps({
         "min_cosine": f"{cos:.9f}", "max_abs_error": f"{err:.6f}", "pass": ok,
+        "float32": {"min_cosine": f"{fcos:.9f}", "max_abs_error": f"{ferr:.6f}"},
         "thresholds": {"min_cosine": n["min_cosine"], "max_abs_error": n["max_abs_error"]},
         "device_ok": bool(profile.get("ok", False)), "samples": profile.get("samples", 0),
         "tiles": profile.get("tiles", 0), "total_cycles": profile.get("total_cycles", 0),

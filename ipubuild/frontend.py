@@ -14,10 +14,26 @@ from .ir import Graph
 
 @dataclasses.dataclass
 class Model:
-    """What a model builder returns: the float32 graph, constants and example inputs by value id."""
+    """What a model builder returns: the float32 graph, constants and example inputs by value id.
+    ``build_model`` adds ``float_outputs``: the graph outputs of the float32 model before casts."""
     graph: Graph
     constants: dict[int, np.ndarray]
     inputs: dict[int, np.ndarray]
+    float_outputs: dict[int, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
+_float_model: list = []     # (graph, constants, inputs, values) of the build_model under way
+
+
+def float_values(graph: Graph, constants: dict, inputs: dict) -> dict[int, np.ndarray]:
+    """Every value of the float32 model on its example inputs (one BLAS thread: reproducible).
+    A cast policy calibrates its scales from these; inside ``build_model`` they are computed once,
+    before the policy runs, and also give the float32 reference."""
+    for g, c, i, values in _float_model:
+        if g is graph and c is constants and i is inputs:
+            return values
+    from .reference import evaluate
+    return evaluate(graph, constants, inputs, keep_all=True, threads=1)
 
 
 def model_families(pm) -> list[str]:
@@ -48,7 +64,14 @@ def build_model(pm, target: dict) -> Model:
         raise UserError(f"{where}: casts.policy", f"unknown cast policy {name!r}; known: "
                         f"{', '.join(sorted(policies))}")
     try:
-        storage = policies[name](model.graph, model.constants, model.inputs, target["casts"])
+        model.graph.validate()
+        values = float_values(model.graph, model.constants, model.inputs)
+        model.float_outputs = {v: values[v] for v in model.graph.outputs}
+        _float_model.append((model.graph, model.constants, model.inputs, values))
+        try:
+            storage = policies[name](model.graph, model.constants, model.inputs, target["casts"])
+        finally:
+            _float_model.clear()
         model.graph.cast_storage = storage
         model.graph.validate()
     except ValueError as exc:
@@ -56,12 +79,16 @@ def build_model(pm, target: dict) -> Model:
     return model
 
 
-@phase("lower_model", outputs=("graph", "params"),
+@phase("lower_model", outputs=("graph", "params", "float_reference"),
        config=("name", "path", "target.seed", "model", "casts"),
        hooks=("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies"))
 def lower_model(ctx):
-    """The target's model as the FP8 graph the compiler plans, with its constants and inputs."""
+    """The target's model as the FP8 graph the compiler plans, with its constants and inputs,
+    and the outputs of the float32 model before casts (the quantisation error is measured
+    against them)."""
     from .plugins import get_plugin_manager
     model = build_model(get_plugin_manager(), ctx.config)
     arrays = {f"v{k}": v for k, v in {**model.constants, **model.inputs}.items()}
-    return {"graph": model.graph.to_bytes(), "params": tensors.pack(arrays)}
+    g = model.graph
+    return {"graph": g.to_bytes(), "params": tensors.pack(arrays),
+            "float_reference": tensors.pack({g.values[v].name: a for v, a in model.float_outputs.items()})}

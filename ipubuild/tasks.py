@@ -285,6 +285,8 @@ class Finish:
             f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
             f"lower_bound={cost['lower_bound']}\n"
             f"profile={entry['profile_file']} tiles={verdict['tiles']} samples={verdict['samples']}\n"
+            f"float32MinimumCosineSimilarity={verdict['float32']['min_cosine']} "
+            f"float32MaximumAbsoluteError={verdict['float32']['max_abs_error']}\n"
             f"referenceMinimumCosineSimilarity={verdict['min_cosine']}\n"
             f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}\n"
             f"package={entry['package_file']} tiles={verdict['tiles']} "

@@ -412,7 +412,7 @@ def mutated(rnd, bases) -> bytes:
 
 
 # the fuzz tests --------------------------------------------------------------------------------
-FUZZ = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                                        HealthCheck.filter_too_much])
 STRUCTURAL = 8000
 

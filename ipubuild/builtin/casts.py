@@ -15,8 +15,8 @@ FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context":
 def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: str) -> CastStoragePolicy:
     """Cast every FP8 operand: constants are stored in FP8 directly, activations get a cast op
     right after their producer. Scales come from calibration on the example inputs."""
-    from ..reference import evaluate
-    calibrated = evaluate(graph, constants, inputs, keep_all=True, threads=1)  # one BLAS thread: reproducible
+    from ..frontend import float_values
+    calibrated = float_values(graph, constants, inputs)
 
     def scale(vid):
         if params.get("scaling") == "none":
