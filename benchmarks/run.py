@@ -7,11 +7,13 @@ Copies the repository's tracked files (``git ls-files``) into a scratch director
 ``python -m doit build:<target>`` there, each build a subprocess (wall time by
 ``time.perf_counter``) with its log parsed for the phase timings, the search figures and the
 numerical verdict. Measures, on ``targets/vit_fp8.toml``: a clean build (cold cache), a no-op
-rebuild, a warm-cache rebuild (artifacts and doit's database deleted, cache kept), a kernel body
-edit and a comment-only edit of ``ipubuild/kernels/matmul.c``; the layout search with 1 and 2
-workers; the simulator's run time against the host reference's; and, unless ``--quick``, a clean
-and a no-op build of the scale target ``benchmarks/targets/vit12_1472.toml``. Every figure is a
-median of repeats and every ratio is taken between figures of this one run (the machine is
+rebuild and, alternating with it, ``python -c "import doit"`` (the floor of any doit run), a
+warm-cache rebuild (artifacts and doit's database deleted, cache kept), a kernel body edit and a
+comment-only edit of ``ipubuild/kernels/matmul.c``; the layout search with 1 and 2 workers (each
+candidate's exact evaluation time, and the candidate throughput); the simulator's run time
+against the host reference's; and, unless ``--quick``, a clean build (wall and peak memory), a
+no-op and a kernel edit of ``targets/vit_b16_fp8.toml`` (ViT-B/16 on 1472 tiles). Every figure is
+a median of repeats and every ratio is taken between figures of this one run (the machine is
 shared and noisy: compare ratios, not absolute times, across runs).
 
 Writes every raw sample, the medians and the ratios as JSON (``--out``) and prints a table.
@@ -37,10 +39,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MAIN_TARGET = "vit_fp8"
-SCALE_TARGET = "vit12_1472"
-SCALE_SOURCE = Path("benchmarks/targets") / f"{SCALE_TARGET}.toml"
+SCALE_TARGET = "vit_b16_fp8"
 KERNEL = Path("ipubuild/kernels/matmul.c")
-SCHEMA = 1
+SCHEMA = 2
+FLOOR_PAIRS = 5            # no-op builds alternating with `python -c "import doit"`
 
 # log parsing ------------------------------------------------------------------------------------
 _EXECUTED = re.compile(r"^\.  (\S+)\s*$", re.M)
@@ -57,6 +59,8 @@ _FINAL = re.compile(r"^final_cycles=(?P<cycles>\d+)", re.M)
 _COSINE = re.compile(r"^referenceMinimumCosineSimilarity=(?P<v>\S+)", re.M)
 _VERDICT = re.compile(r"^referenceMaximumAbsoluteError=(?P<err>\S+) numericalTest=(?P<verdict>\w+)", re.M)
 _DEVICE = re.compile(r"deviceTest=(?P<v>\w+)")
+_COMPILED = re.compile(r"compiled kernel variant variant=(?P<variant>\S+) elapsed_ms=(?P<ms>\d+)")
+_CANDIDATE = re.compile(r"evaluated local candidate attempt=\d+ proposal=\d+ cycles=\S+ elapsed_ms=(?P<ms>\d+)")
 
 
 def _number(text: str):
@@ -206,7 +210,12 @@ class Bench:
         env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         # a private device lock: builds of other trees on this machine must not add waits
         env["IPUBUILD_DEVICE_LOCK_DIR"] = str(logs)
+        # the classic console (doit's task lines and the full structured log), which this parses
+        env.update(IPUBUILD_CONSOLE="tasks", IPUBUILD_LOG="debug")
         self.env = env
+        # the doit command a user types, from the interpreter running this harness
+        script = Path(sys.executable).with_name("doit")
+        self.doit = [str(script)] if script.exists() else [sys.executable, "-m", "doit"]
 
     # tree states
     def clean_cache(self) -> None:
@@ -224,12 +233,10 @@ class Bench:
     def build(self, target: str, label: str) -> dict:
         """Run ``python -m doit build:<target>`` in the scratch tree; time it, parse its log."""
         self.count += 1
-        cmd = [sys.executable, "-m", "doit", f"build:{target}"]
+        cmd = [*self.doit, f"build:{target}"]
         log_path = self.logs / f"{self.count:03d}-{re.sub(r'[^A-Za-z0-9_.-]+', '_', label)}.log"
-        t0 = time.perf_counter()
-        with open(log_path, "wb") as f:
-            proc = subprocess.run(cmd, cwd=self.tree, env=self.env, stdout=f, stderr=subprocess.STDOUT)
-        wall = time.perf_counter() - t0
+        wall, returncode, peak_kib = _timed(cmd, self.tree, self.env, log_path)
+        proc = subprocess.CompletedProcess(cmd, returncode)
         log = log_path.read_text(errors="replace")
         result = parse_result(log)
         if proc.returncode != 0 or result["numerical_test"] != "PASS":
@@ -245,16 +252,35 @@ class Bench:
         tasks = parse_tasks(log)
         progress(f"  {label}: {wall:.2f} s, {len(tasks['executed'])} task(s) executed")
         return {"label": label, "wall_s": round(wall, 4), "returncode": proc.returncode, **result,
+                "peak_rss_mib": round(peak_kib / 1024, 1),
+                "compiled_ms": sum(int(m["ms"]) for m in _COMPILED.finditer(log)),
+                "compiled": [m["variant"] for m in _COMPILED.finditer(log)],
+                "candidate_ms": [int(m["ms"]) for m in _CANDIDATE.finditer(log)],
                 "executed": tasks["executed"], "executed_count": len(tasks["executed"]),
                 "up_to_date_count": len(tasks["up_to_date"]),
                 "cached_phases": sum(1 for p in phases if p["cached"] and p["own"]),
                 "uncached_phases": [p["task"] for p in phases if p["own"] and not p["cached"]],
-                "compile_kernels_ms": sum(phase_ms(phases, "compile_kernels")),
-                "compile_kernels_runs": len(phase_ms(phases, "compile_kernels")),
                 "run_device_ms": _one(phase_ms(phases, "run_device")),
                 "evaluate_reference_ms": _one(phase_ms(phases, "evaluate_reference")),
                 "plan_package_ms": _one(phase_ms(phases, "plan_package")),
                 "search": parse_search(log), "log": log_path.name}
+
+
+    def floor(self) -> float:
+        """Wall seconds of ``python -c "import doit"`` (the cost of starting any doit run)."""
+        log_path = self.logs / "import-doit.log"
+        return _timed([sys.executable, "-c", "import doit"], self.tree, self.env, log_path)[0]
+
+
+def _timed(cmd, cwd, env, log_path) -> tuple[float, int, int]:
+    """(wall seconds, exit status, peak resident KiB of the process and the children it reaped)."""
+    with open(log_path, "wb") as f:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return wall, p.returncode, usage.ru_maxrss
 
 
 def _one(values):
@@ -286,16 +312,16 @@ def set_search_workers(path: Path, workers: int) -> None:
 def unexpected_tasks(kind: str, executed: list[str], target: str) -> list[str]:
     """Tasks executed that the README says this kind of build should not run."""
     def ok(task: str) -> bool:
-        if task == f"build:{target}":
-            return True                        # always runs: prints the verdict (uptodate False)
         if kind == "noop":
-            return False
+            return False                       # not even build: (up to date when nothing ran)
+        if task == f"build:{target}":
+            return True
         if kind == "comment_edit":
-            return task.startswith("compile_kernels:matmul_")
+            return task == f"compile_kernels:{target}"
         if kind == "kernel_edit":
-            return (task.startswith("compile_kernels:matmul_") or task.startswith(f"build_tile_images:{target}/")
-                    or task in {f"{p}:{target}" for p in ("link_kernels", "write_package", "run_device",
-                                                           "check_numerics")})
+            return task in {f"{p}:{target}" for p in ("compile_kernels", "link_kernels", "build_tile_images",
+                                                       "write_package", "run_device", "check_numerics",
+                                                       "report_profile")}
         return True
     return [t for t in executed if not ok(t)]
 
@@ -338,8 +364,6 @@ def run(args) -> dict:
         logs = tmp / "logs"
         logs.mkdir()
         b = Bench(tree, logs, out_path.parent)
-        if (tree / "targets" / f"{SCALE_TARGET}.toml").exists():
-            (tree / "targets" / f"{SCALE_TARGET}.toml").unlink()
         target_file = tree / "targets" / f"{MAIN_TARGET}.toml"
         target_text = target_file.read_text()
         kernel_file = tree / KERNEL
@@ -347,6 +371,7 @@ def run(args) -> dict:
         progress(f"scratch tree {tree} ({repeats} repeat(s){'' if args.quick else f', scale {scale_repeats}'})")
 
         raw: dict[str, list] = {k: [] for k in ("clean", "noop", "warm", "kernel_edit", "comment_edit")}
+        floor: dict[str, list] = {"noop": [], "import_doit": []}
         for i in range(1, repeats + 1):
             kernel_file.write_text(kernel_text)   # every repeat edits the same source
             b.clean_cache()
@@ -354,6 +379,11 @@ def run(args) -> dict:
             raw["clean"].append(b.build(MAIN_TARGET, f"clean {i}"))
             progress(f"no-op rebuild {i}/{repeats} ...")
             raw["noop"].append(b.build(MAIN_TARGET, f"noop {i}"))
+            if i == 1:
+                progress(f"{FLOOR_PAIRS} no-op builds alternating with `python -c \"import doit\"` ...")
+                for j in range(FLOOR_PAIRS):
+                    floor["noop"].append(b.build(MAIN_TARGET, f"noop vs import {j + 1}")["wall_s"])
+                    floor["import_doit"].append(round(b.floor(), 4))
             b.remove_artifacts()
             b.remove_doit_db()
             progress(f"warm-cache rebuild {i}/{repeats} ...")
@@ -378,18 +408,20 @@ def run(args) -> dict:
                 search[str(workers)].append(b.build(MAIN_TARGET, f"search w{workers} {i}"))
         target_file.write_text(target_text)
 
-        scale: dict[str, list] = {"clean": [], "noop": []}
+        scale: dict[str, list] = {"clean": [], "noop": [], "kernel_edit": []}
         if not args.quick:
-            shutil.copy(REPO / SCALE_SOURCE, tree / "targets" / f"{SCALE_TARGET}.toml")
-            try:
-                for i in range(1, scale_repeats + 1):
-                    b.clean_cache()
-                    progress(f"scale clean build {i}/{scale_repeats} ({SCALE_TARGET}, a few minutes) ...")
-                    scale["clean"].append(b.build(SCALE_TARGET, f"scale clean {i}"))
-                    progress(f"scale no-op rebuild {i}/{scale_repeats} ...")
-                    scale["noop"].append(b.build(SCALE_TARGET, f"scale noop {i}"))
-            finally:
-                (tree / "targets" / f"{SCALE_TARGET}.toml").unlink()
+            for i in range(1, scale_repeats + 1):
+                kernel_file.write_text(kernel_text)
+                b.clean_cache()
+                progress(f"scale clean build {i}/{scale_repeats} ({SCALE_TARGET}, many minutes) ...")
+                scale["clean"].append(b.build(SCALE_TARGET, f"scale clean {i}"))
+                progress(f"scale no-op rebuild {i}/{scale_repeats} ...")
+                scale["noop"].append(b.build(SCALE_TARGET, f"scale noop {i}"))
+                with open(kernel_file, "a") as f:
+                    f.write(f"\nint ipubuild_bench_scale_probe_{i}(int x) {{ return 5 * x + {i}; }}\n")
+                progress(f"scale kernel body edit {i}/{scale_repeats} ...")
+                scale["kernel_edit"].append(b.build(SCALE_TARGET, f"scale kernel edit {i}"))
+            kernel_file.write_text(kernel_text)
         b.clean_cache()
     finally:
         if not args.keep_scratch:
@@ -398,7 +430,7 @@ def run(args) -> dict:
             progress(f"kept scratch tree and logs in {tmp}")
 
     info["loadavg_end"] = list(os.getloadavg())
-    return assemble(info, args, repeats, scale_repeats, raw, search, scale,
+    return assemble(info, args, repeats, scale_repeats, raw, floor, search, scale,
                     time.perf_counter() - started, str(tmp) if args.keep_scratch else None)
 
 
@@ -424,35 +456,55 @@ def search_summary(samples: list[dict]) -> dict:
         "final_cycles": median([s["search"]["final_cycles"] for s in samples]),
         "gain_pct": median([s["search"]["gain_pct"] for s in samples]),
         "search_ms": median([s["plan_package_ms"] for s in samples]),
+        "candidate_ms": median([ms for s in samples for ms in s["candidate_ms"]]),
+        "candidates": sum(len(s["candidate_ms"]) for s in samples),
         "build_wall_s": median(_wall(samples)),
         "deterministic": len({(s["search"]["initial_cycles"], s["search"]["final_cycles"]) for s in samples}) <= 1,
     }
 
 
-def assemble(info, args, repeats, scale_repeats, raw, search, scale, total_s, scratch) -> dict:
+def assemble(info, args, repeats, scale_repeats, raw, floor, search, scale, total_s, scratch) -> dict:
     clean, noop, warm, kedit, cedit = (raw[k] for k in ("clean", "noop", "warm", "kernel_edit", "comment_edit"))
     builds = {k: summarize(_wall(v)) for k, v in raw.items()}
-    kernel_cost = [ratio_sum(s["compile_kernels_ms"], s["run_device_ms"]) for s in kedit]
+    kernel_cost = [ratio_sum(s["compiled_ms"], s["run_device_ms"]) for s in kedit]
     device = {"run_device_ms": summarize([s["run_device_ms"] for s in clean]),
               "evaluate_reference_ms": summarize([s["evaluate_reference_ms"] for s in clean])}
     ratios = {
         "noop/clean": ratio_entry(_wall(noop), _wall(clean), "no-op rebuild wall / clean build wall"),
         "warm/clean": ratio_entry(_wall(warm), _wall(clean), "warm-cache rebuild wall / clean build wall"),
+        "noop/import_doit": ratio_entry(
+            floor["noop"], floor["import_doit"],
+            "no-op rebuild wall / `python -c \"import doit\"` wall, alternating pairs (goal <= 1.5)"),
         "kernel_edit/(compile+device)": ratio_entry(
             [w * 1000.0 for w in _wall(kedit)], kernel_cost,
-            "kernel edit rebuild wall / (its compile_kernels ms + its run_device ms), from the edit build's log"),
+            "kernel edit rebuild wall / (the edited variant's compile ms + its run_device ms), from the edit "
+            "build's log (goal <= 1.5)"),
         "simulator/reference": ratio_entry(
             [s["run_device_ms"] for s in clean], [s["evaluate_reference_ms"] for s in clean],
             "run_device ms / evaluate_reference ms, from the clean build's log"),
     }
+    w1, w2 = search.get("1", []), search.get("2", [])
+    rates = {w: median([r.get("evaluations_per_s") for s in v for r in s["search"]["measured"]])
+             for w, v in (("1", w1), ("2", w2))}
+    ratios["search workers=2/workers=1"] = {
+        "what": "candidate evaluations per second with 2 workers / with 1 (medians over rounds; goal >= 1.6)",
+        "median": ratio(rates["2"], rates["1"]), "of_medians": ratio(rates["2"], rates["1"]), "samples": []}
     if scale["clean"]:
         builds["scale_clean"] = summarize(_wall(scale["clean"]))
         builds["scale_noop"] = summarize(_wall(scale["noop"]))
+        builds["scale_kernel_edit"] = summarize(_wall(scale["kernel_edit"]))
         ratios["scale noop/clean"] = ratio_entry(_wall(scale["noop"]), _wall(scale["clean"]),
                                                  f"{SCALE_TARGET} no-op wall / clean wall")
+        ratios["scale simulator/reference"] = ratio_entry(
+            [s["run_device_ms"] for s in scale["clean"]], [s["evaluate_reference_ms"] for s in scale["clean"]],
+            f"{SCALE_TARGET}: run_device ms / evaluate_reference ms (goal <= 3)")
+        ratios["scale kernel_edit/(compile+device)"] = ratio_entry(
+            [w * 1000.0 for w in _wall(scale["kernel_edit"])],
+            [ratio_sum(s["compiled_ms"], s["run_device_ms"]) for s in scale["kernel_edit"]],
+            f"{SCALE_TARGET}: kernel edit wall / (compile ms + run_device ms)")
     observations = []
     for kind, samples in (("noop", noop), ("kernel_edit", kedit), ("comment_edit", cedit),
-                          ("scale_noop", scale["noop"])):
+                          ("scale_noop", scale["noop"]), ("scale_kernel_edit", scale["kernel_edit"])):
         target = SCALE_TARGET if kind.startswith("scale") else MAIN_TARGET
         for s in samples:
             extra = unexpected_tasks(kind.removeprefix("scale_"), s["executed"], target)
@@ -472,17 +524,22 @@ def assemble(info, args, repeats, scale_repeats, raw, search, scale, total_s, sc
         "quick": bool(args.quick), "repeats": repeats, "scale_repeats": scale_repeats if scale["clean"] else 0,
         "total_s": round(total_s, 1), "machine": info, "scratch": scratch,
         "medians": {**{k: v["median"] for k, v in builds.items()},
-                    "kernel_edit_compile_ms": median([s["compile_kernels_ms"] for s in kedit]),
+                    "kernel_edit_compile_ms": median([s["compiled_ms"] for s in kedit]),
                     "kernel_edit_device_ms": median([s["run_device_ms"] for s in kedit]),
-                    "comment_edit_compile_ms": median([s["compile_kernels_ms"] for s in cedit]),
+                    "comment_edit_compile_ms": median([s["compiled_ms"] for s in cedit]),
                     "run_device_ms": device["run_device_ms"]["median"],
-                    "evaluate_reference_ms": device["evaluate_reference_ms"]["median"]},
+                    "evaluate_reference_ms": device["evaluate_reference_ms"]["median"],
+                    "noop_floor_s": median(floor["noop"]), "import_doit_s": median(floor["import_doit"]),
+                    "candidate_ms": median([ms for v in search.values() for s in v for ms in s["candidate_ms"]]),
+                    "scale_peak_rss_mib": median([s["peak_rss_mib"] for s in scale["clean"]]),
+                    "scale_run_device_ms": median([s["run_device_ms"] for s in scale["clean"]]),
+                    "scale_evaluate_reference_ms": median([s["evaluate_reference_ms"] for s in scale["clean"]])},
         "builds": builds,
         "device_vs_reference": device,
         "search": {w: search_summary(v) for w, v in search.items()},
         "ratios": ratios,
         "observations": observations,
-        "raw": {**raw, "search": search, "scale": scale},
+        "raw": {**raw, "floor": floor, "search": search, "scale": scale},
     }
 
 
@@ -506,24 +563,31 @@ def table(res: dict) -> str:
              f"repeats {res['repeats']}  (medians; ratios are medians of per-repeat ratios)", ""]
     names = {"clean": f"clean build ({MAIN_TARGET})", "noop": "no-op rebuild", "warm": "warm-cache rebuild",
              "kernel_edit": "kernel body edit", "comment_edit": "comment-only edit",
-             "scale_clean": f"scale clean ({SCALE_TARGET})", "scale_noop": "scale no-op"}
+             "scale_clean": f"scale clean ({SCALE_TARGET})", "scale_noop": "scale no-op",
+             "scale_kernel_edit": "scale kernel body edit"}
     lines.append(f"{'build':<30} {'n':>3} {'median s':>10} {'min s':>10} {'max s':>10}")
     for k, v in res["builds"].items():
         lines.append(f"{names.get(k, k):<30} {v['n']:>3} {_f(v['median']):>10} {_f(v['min']):>10} {_f(v['max']):>10}")
     md = res["medians"]
-    lines += ["", f"{'kernel edit: compile_kernels ms':<36} {_f(md['kernel_edit_compile_ms'], '{:.0f}'):>10}",
+    lines += ["", f"{'no-op / import doit (s)':<36} {_f(md['noop_floor_s']):>10} {_f(md['import_doit_s']):>10}",
+              f"{'candidate evaluation ms (median)':<36} {_f(md['candidate_ms'], '{:.0f}'):>10}",
+              f"{'kernel edit: compile ms':<36} {_f(md['kernel_edit_compile_ms'], '{:.0f}'):>10}",
               f"{'kernel edit: run_device ms':<36} {_f(md['kernel_edit_device_ms'], '{:.0f}'):>10}",
-              f"{'comment edit: compile_kernels ms':<36} {_f(md['comment_edit_compile_ms'], '{:.0f}'):>10}",
+              f"{'comment edit: compile ms':<36} {_f(md['comment_edit_compile_ms'], '{:.0f}'):>10}",
+              f"{'scale: peak memory MiB':<36} {_f(md['scale_peak_rss_mib'], '{:.0f}'):>10}",
+              f"{'scale: run_device / reference ms':<36} {_f(md['scale_run_device_ms'], '{:.0f}'):>10} "
+              f"{_f(md['scale_evaluate_reference_ms'], '{:.0f}'):>10}",
               f"{'clean: run_device ms (simulator)':<36} {_f(md['run_device_ms'], '{:.0f}'):>10}",
               f"{'clean: evaluate_reference ms (host)':<36} {_f(md['evaluate_reference_ms'], '{:.0f}'):>10}", ""]
-    lines.append(f"{'search':<11} {'rounds':>6} {'prop/s':>9} {'eval/s':>7} {'hit rate by round':<20} "
+    lines.append(f"{'search':<11} {'rounds':>6} {'prop/s':>9} {'eval/s':>7} {'cand ms':>7} {'hit rate by round':<20} "
                  f"{'prop/s by round':<20} "
                  f"{'initial':>8} {'final':>8} {'gain %':>7} {'search ms':>9}")
     for w, s in res["search"].items():
         hits = " ".join(_f(v, "{:.2f}") for v in s["cache_hit_rate_by_round"].values()) or "-"
         props = " ".join(_f(v, "{:.0f}") for v in s["proposals_per_s_by_round"].values()) or "-"
         lines.append(f"{'workers=' + w:<11} {_f(s['rounds'], '{:g}'):>6} {_f(s['proposals_per_s'], '{:.0f}'):>9} "
-                     f"{_f(s['evaluations_per_s'], '{:.2f}'):>7} {hits:<20} {props:<20} {_f(s['initial_cycles'], '{:.0f}'):>8} "
+                     f"{_f(s['evaluations_per_s'], '{:.2f}'):>7} {_f(s['candidate_ms'], '{:.0f}'):>7} "
+                     f"{hits:<20} {props:<20} {_f(s['initial_cycles'], '{:.0f}'):>8} "
                      f"{_f(s['final_cycles'], '{:.0f}'):>8} {_f(s['gain_pct'], '{:.2f}'):>7} "
                      f"{_f(s['search_ms'], '{:.0f}'):>9}")
     lines += ["", f"{'ratio':<30} {'median':>8} {'of medians':>11}  per repeat"]

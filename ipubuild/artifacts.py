@@ -29,4 +29,5 @@ def params_of(ctx, graph: Graph):
 
 
 def to_json(value) -> bytes:
-    return canonical.dumps(value)
+    """A phase's JSON output (the value must be JSON-normal: see ``canonical.Json``)."""
+    return canonical.encode(value)

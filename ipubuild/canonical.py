@@ -25,3 +25,28 @@ def digest(data: bytes) -> str:
 
 def digest_of(value) -> str:
     return digest(dumps(value))
+
+
+class Json(bytes):
+    """Canonical JSON bytes that remember the value they encode, so that the engine can hand that
+    value to readers in this process without decoding the bytes again. Only for *JSON-normal*
+    values — dicts with str keys, lists (not tuples), str, int, float, bool, None — which decode to
+    an equal value (tests check every planning artifact)."""
+
+    value: object
+
+
+def encode(value) -> Json:
+    """``dumps(value)``, remembering ``value`` (which must be JSON-normal)."""
+    out = Json(dumps(value))
+    out.value = value
+    return out
+
+
+def is_normal(value) -> bool:
+    """Whether ``loads(dumps(value)) == value`` holds structurally (no tuples, only str keys)."""
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and is_normal(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(is_normal(v) for v in value)
+    return value is None or isinstance(value, (str, int, float, bool))

@@ -15,8 +15,10 @@ An output declared ``name/*`` is a *family*: the phase returns any number of mem
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
+import gc
 import threading
 import time
 from typing import Callable
@@ -165,7 +167,8 @@ class Engine:
         self._count("miss")
         subset = config_subset(config, ph.config)
         # the phase sees only the configuration it declared: an undeclared read fails at once
-        blobs = ph.fn(Context(self, ph, inputs, _unflatten(subset)))
+        with _gc_paused():
+            blobs = ph.fn(Context(self, ph, inputs, _unflatten(subset)))
         outputs, families = {}, {}
         for out_name, data in sorted(blobs.items()):
             family = next((o[:-2] for o in ph.outputs if o.endswith("/*") and out_name.startswith(o[:-1])), None)
@@ -188,9 +191,12 @@ class Engine:
         with self._lock:
             self.stats[what] += 1
 
-    def put(self, data: bytes) -> str:
-        """Store a blob this process made, keeping it at hand for its readers."""
-        d = self.store.put(data)
+    def put(self, data: bytes, *, pin: bool = False) -> str:
+        """Store a blob this process made, keeping it at hand for its readers (and, for
+        ``canonical.Json``, its value); ``pin`` as ``Store.put``."""
+        d = self.store.put(data, pin=pin)
+        if isinstance(data, canonical.Json):
+            self._remember(d, data.value)
         if len(data) <= self.RECENT_BLOB_MAX:
             with self._lock:
                 if d not in self._recent:
@@ -251,17 +257,48 @@ class Engine:
         raise MissingBlob(digest)
 
     def decoded(self, digest: str):
-        """The JSON value of a blob, memoised by digest."""
+        """The JSON value of a blob, memoised by digest (readers must not modify it)."""
         with self._lock:
             if digest in self._decoded:
                 self._decoded.move_to_end(digest)
                 return self._decoded[digest]
         value = canonical.loads(self.fetch(digest))
+        self._remember(digest, value)
+        return value
+
+    def _remember(self, digest: str, value) -> None:
         with self._lock:
             self._decoded[digest] = value
+            self._decoded.move_to_end(digest)
             if len(self._decoded) > 512:
                 self._decoded.popitem(last=False)
-        return value
+
+
+_gc_depth = [0]
+_gc_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic collector off while phases run: they build large acyclic structures
+    (programs, tables), which reference counting frees, and that the collector would otherwise
+    traverse again and again (a third of a search candidate's time)."""
+    with _gc_lock:
+        _gc_depth[0] += 1
+        if _gc_depth[0] == 1:
+            was = gc.isenabled()
+            gc.disable()
+            _gc_was[0] = was
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_depth[0] -= 1
+            if _gc_depth[0] == 0 and _gc_was[0]:
+                gc.enable()
+
+
+_gc_was = [True]
 
 
 def _unflatten(subset: dict) -> dict:

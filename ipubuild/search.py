@@ -195,7 +195,7 @@ class Estimator:
 # exact evaluation ------------------------------------------------------------------------------
 def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
     """Run the compiler's phases up to the costed, placed program for ``layout``."""
-    artifacts = dict(base, layout=engine.store.put(canonical.dumps(layout), pin=True))
+    artifacts = dict(base, layout=engine.put(canonical.encode(layout), pin=True))
     before = collections.Counter(engine.stats)
     try:
         for name in EVALUATION:
@@ -225,8 +225,11 @@ _worker: dict = {}
 
 def _evaluate_in_worker(attempt: int, proposal: int, layout: dict, forked: bool = False) -> dict:
     w = _worker
+    t0 = time.perf_counter()
     with span("local_candidate", attempt=attempt, proposal=proposal):
         result = evaluate(w["engine"], w["base"], layout, w["config"])
+    log.info("evaluated local candidate", attempt=attempt, proposal=proposal,
+             cycles=result.get("cycles", "invalid"), elapsed_ms=int((time.perf_counter() - t0) * 1000))
     if forked and w["engine"].store.remote is not None:   # [remote tier] this worker's counters, for the parent
         result["remote"] = w["engine"].store.remote.take()
     return result

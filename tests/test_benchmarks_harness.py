@@ -20,6 +20,7 @@ LOG = f"""\
 .  machine:ipu21
 {T}ipubuild.phase{{phase="read_machine"}}: package build phase finished phase="read_machine" elapsed_ms=0 success=true
 .  compile_kernels:matmul_f143_f143
+{T}{B}:ipubuild.phase{{phase="compile_kernels"}}: compiled kernel variant variant=matmul_f143_f143 elapsed_ms=57
 {T}ipubuild.phase{{phase="compile_kernels"}}: package build phase finished phase="compile_kernels" elapsed_ms=59 success=true
 .  compile_kernels:matmul_f32_f32
 {T}ipubuild.phase{{phase="compile_kernels"}}: package build phase finished phase="compile_kernels" elapsed_ms=41 success=true cached=true
@@ -31,6 +32,8 @@ referencePrecision=device
 .  plan_package:vit_fp8
 {T}{B}:ipubuild.phase{{phase="plan_package"}}:ipubuild.phase{{phase="run_device"}}: package build phase finished phase="run_device" elapsed_ms=999 success=true
 {T}{B}:ipubuild.phase{{phase="plan_package"}}: validated search incumbent cycles=115837 resuming=false
+{T}{B}:ipubuild.phase{{phase="plan_package"}}: evaluated local candidate attempt=1 proposal=3 cycles=110000 elapsed_ms=140
+{T}{B}:ipubuild.phase{{phase="plan_package"}}: evaluated local candidate attempt=2 proposal=9 cycles=invalid elapsed_ms=90
 {T}{B}:ipubuild.phase{{phase="plan_package"}}:ipubuild.phase{{phase="place_storage"}}: package build phase finished phase="place_storage" elapsed_ms=12 success=true cached=true
 {T}{B}:ipubuild.phase{{phase="plan_package"}}: screened local search round round=1 proposed=544 invalid=8 visited=0 not_cheaper=517 deduplicated=7 truncated=9 shortlisted=3
 {T}{B}:ipubuild.phase{{phase="plan_package"}}: measured local search round round=1 proposals_per_s=368 evaluations_per_s=4.05 cache_hit_rate=0.65
@@ -143,28 +146,35 @@ def test_median_and_ratios():
 
 
 def test_search_summary_medians_over_rounds():
-    one = {"search": bench.parse_search(LOG), "plan_package_ms": 5477, "wall_s": 9.0}
+    one = {"search": bench.parse_search(LOG), "plan_package_ms": 5477, "wall_s": 9.0, "candidate_ms": [140, 90]}
     two = {"search": bench.parse_search(LOG.replace("proposals_per_s=368", "proposals_per_s=400")),
-           "plan_package_ms": 6000, "wall_s": 10.0}
+           "plan_package_ms": 6000, "wall_s": 10.0, "candidate_ms": [100]}
     s = bench.search_summary([one, two])
     assert s["proposals_per_s"] == pytest.approx(12040)   # median of the 6 rounds of both runs
     assert s["evaluations_per_s"] == pytest.approx(4.05)
     assert s["cache_hit_rate_by_round"] == {"1": 0.65, "2": 0.55, "3": 0.37}
     assert s["proposals_per_s_by_round"] == {"1": 384, "2": 12040, "3": 12104}
     assert s["search_ms"] == pytest.approx(5738.5)
+    assert s["candidate_ms"] == 100 and s["candidates"] == 3
     assert s["gain_pct"] == pytest.approx(15.51, abs=0.01)
     assert s["deterministic"]
 
 
 def test_unexpected_tasks():
-    assert bench.unexpected_tasks("noop", ["build:vit_fp8"], "vit_fp8") == []
+    assert bench.unexpected_tasks("noop", [], "vit_fp8") == []
+    assert bench.unexpected_tasks("noop", ["build:vit_fp8"], "vit_fp8") == ["build:vit_fp8"]
     assert bench.unexpected_tasks("noop", ["link_kernels:vit_fp8", "build:vit_fp8"], "vit_fp8") == \
-        ["link_kernels:vit_fp8"]
-    kernel = ["compile_kernels:matmul_f32_f32", "link_kernels:vit_fp8", "build_tile_images:vit_fp8/tile3",
+        ["link_kernels:vit_fp8", "build:vit_fp8"]
+    kernel = ["compile_kernels:vit_fp8", "link_kernels:vit_fp8", "build_tile_images:vit_fp8",
               "write_package:vit_fp8", "run_device:vit_fp8", "plan_package:vit_fp8", "build:vit_fp8"]
     assert bench.unexpected_tasks("kernel_edit", kernel, "vit_fp8") == ["plan_package:vit_fp8"]
-    assert bench.unexpected_tasks("comment_edit", ["compile_kernels:matmul_f16_f16", "link_kernels:vit_fp8"],
+    assert bench.unexpected_tasks("comment_edit", ["compile_kernels:vit_fp8", "link_kernels:vit_fp8"],
                                   "vit_fp8") == ["link_kernels:vit_fp8"]
+
+
+def test_compiled_variants_and_candidates_are_read_from_the_log():
+    assert [(m["variant"], int(m["ms"])) for m in bench._COMPILED.finditer(LOG)] == [("matmul_f143_f143", 57)]
+    assert [int(m["ms"]) for m in bench._CANDIDATE.finditer(LOG)] == [140, 90]
 
 
 def test_set_search_workers(tmp_path):

@@ -523,3 +523,22 @@ def test_canonical_refuses_non_json():
         canonical.dumps({"a": b"bytes"})
     with pytest.raises(TypeError):
         canonical.dumps({"a": {1, 2}})
+
+
+def test_values_phases_hand_over_in_process_equal_what_their_bytes_decode_to(tmp_path, monkeypatch):
+    """Phases return canonical.Json outputs, whose values the engine hands to readers in the same
+    process instead of decoding the bytes again: those values must be JSON-normal (no tuples, only
+    str keys), or a build in one process would compute from other values than a build that reads
+    the cache."""
+    from buildtree import SMALL, make_tree
+    from ipubuild.build import build_in_process
+    from ipubuild.pipeline import Workspace
+    tree = make_tree(tmp_path / "tree", {"small": SMALL.replace("rounds = 3", "rounds = 1")})
+    monkeypatch.chdir(tree)
+    build_in_process(tree, "targets/small.toml")
+    eng = Workspace.at(tree).engine
+    remembered = dict(eng._decoded)
+    assert len(remembered) > 20
+    for digest, value in remembered.items():
+        assert canonical.is_normal(value), digest
+        assert canonical.loads(eng.store.get(digest)) == value, digest

@@ -67,8 +67,10 @@ def decode_exchange(data: bytes) -> np.ndarray:
 
 
 def program_bytes(kernels: list[str], steps: list) -> int:
-    """The encoded size, which does not depend on argument values."""
-    return len(encode_program(kernels, [[s, [[k, [0] * len(a)] for k, a in v]] for s, v in steps]))
+    """The encoded size (``len(encode_program(kernels, steps))``), which does not depend on
+    argument values."""
+    return (4 + 12 + sum(2 + len(name.encode()) for name in kernels)
+            + sum(8 + sum(4 + 4 * len(args) for _, args in verts) for _, verts in steps))
 
 
 def exchange_bytes(n_entries: int) -> int:

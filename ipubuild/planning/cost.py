@@ -10,7 +10,21 @@ def scalar_args(args) -> list[int]:
 
 
 def vertex_cycles(kernel: str, args, machine: dict) -> int:
-    return int(registry().kernels[kernel].cycles(scalar_args(args), machine))
+    """A vertex's compute cycles by its kernel's estimator (memoised: programs repeat vertices)."""
+    kv = registry().kernels[kernel]
+    scalars = tuple(scalar_args(args))
+    key = (id(kv), scalars, id(machine))
+    found = _cycles.get(key)
+    if found is None:
+        found = int(kv.cycles(list(scalars), machine))
+        if len(_cycles) > 65536:
+            _cycles.clear()
+        _cycles[key] = (found, kv, machine)   # holding them keeps their ids from being reused
+        return found
+    return found[0]
+
+
+_cycles: dict = {}
 
 
 def step_compute(step: dict, machine: dict) -> dict[str, int]:

@@ -116,7 +116,7 @@ def schedule_provisional_exchanges(ctx):
         if not step["transfers"]:
             out.append({"transfers": [], "horizon": 0, "use_paired": False})
             continue
-        transfers = ctx.engine.store.put(_json(step["transfers"]), pin=True)
+        transfers = ctx.engine.put(_json(step["transfers"]), pin=True)
         r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
         sched = ctx.engine.decoded(r.outputs["schedule"])
         if r.hit:

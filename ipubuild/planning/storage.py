@@ -24,11 +24,11 @@ def tile_ranges(machine: dict, code_bytes: int) -> dict:
     host = m["host_code_base"]
     code_address = align_up(host + c["host_code_bytes"], 64)
     code_end = code_address + code_bytes
-    available = [(data_start, res_lo), (res_hi, host),
-                 (align_up(code_end, m["element_bytes"]), m["loader_limit"])]
+    available = [[data_start, res_lo], [res_hi, host],
+                 [align_up(code_end, m["element_bytes"]), m["loader_limit"]]]
     return {"linked_end": m["runtime_linked_end"], "host_code_base": host,
             "code_address": code_address, "code_end": code_end,
-            "executable_ranges": [(code_address, m["executable_end"])],
+            "executable_ranges": [[code_address, m["executable_end"]]],
             "available_ranges": [r for r in available if r[0] < r[1]]}
 
 
