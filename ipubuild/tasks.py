@@ -197,6 +197,7 @@ def workspace(root: Path, entries: list):
         from . import build  # noqa: F401 - registers the phases
         from .pipeline import Step, Workspace
         ws = _workspaces[root] = Workspace.at(root)
+        ws.plugins            # loaded before any phase runs: a plugin may register phases of its own
         ws.register(Step.from_json(e["step"]) for e in entries if e["kind"] == "step")
     return ws
 

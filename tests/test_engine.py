@@ -542,3 +542,54 @@ def test_values_phases_hand_over_in_process_equal_what_their_bytes_decode_to(tmp
     for digest, value in remembered.items():
         assert canonical.is_normal(value), digest
         assert canonical.loads(eng.store.get(digest)) == value, digest
+
+
+def test_doit_and_the_action_cache_share_one_signature(tmp_path, monkeypatch):
+    """Every ingredient of a phase's signature — name, code, toolchain, plugins, configuration read
+    — moves both doit's up-to-date value (``analysis.step_entry``) and the action key; inputs move
+    the action key, the cache's identity doit's value."""
+    from ipubuild.analysis import step_entry
+    from ipubuild.pipeline import Step, Workspace
+    name = _name("sig")
+    _register_upper(name, config=("a.b",))
+    ws = Workspace(tmp_path)
+    step = Step("t", "x", name, config={"a": {"b": 1}, "other": 1})
+    inputs = {"text": "0" * 64}
+
+    def both(**kw):
+        s = kw.get("step", step)
+        ph = PHASES[s.phase]
+        return (step_entry(ws, s, kw.get("cache", "c1"))["signature"],
+                ws.engine.action_key(ph, kw.get("inputs", inputs), s.config))
+
+    base = both()
+    assert both(step=Step("t", "x", name, config={"a": {"b": 1}, "other": 2})) == base   # undeclared key
+    changed = {
+        "config": both(step=Step("t", "x", name, config={"a": {"b": 2}, "other": 1})),
+    }
+    monkeypatch.setattr(engine, "toolchain", lambda: {"python": "9.9", "numpy": "0"})
+    changed["toolchain"] = both()
+    monkeypatch.undo()
+    ws.engine.plugin_fingerprints = lambda hooks: {"p": "dist==2:abc"}
+    PHASES[name] = dataclasses_replace(PHASES[name], hooks=("ipubuild_operators",))
+    changed["plugins"] = both()
+    PHASES[name] = dataclasses_replace(PHASES[name], hooks=())
+    ws.engine.plugin_fingerprints = lambda hooks: {}
+    code = PHASES[name].fn.__module__
+    monkeypatch.setattr(type(PHASES[name]), "code", property(lambda self: "edited" + code))
+    changed["code"] = both()
+    monkeypatch.undo()
+    other = _name("sig")
+    _register_upper(other, config=("a.b",))
+    changed["name"] = both(step=Step("t", "x", other, config=step.config))
+    for what, (sig, key) in changed.items():
+        assert sig != base[0] and key != base[1], what
+    assert both(inputs={"text": "1" * 64}) == (base[0], both(inputs={"text": "1" * 64})[1])
+    assert both(inputs={"text": "1" * 64})[1] != base[1]
+    assert both(cache="c2")[0] != base[0] and both(cache="c2")[1] == base[1]
+    ws.store.close()
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+    return dataclasses.replace(obj, **kw)
