@@ -132,7 +132,8 @@ class Engine:
     def __init__(self, store: Store, plugin_fingerprints: Callable[[tuple], dict] | None = None):
         self.store = store
         self.plugin_fingerprints = plugin_fingerprints or (lambda hooks: {})
-        self._decoded: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self._decoded: collections.OrderedDict[str, tuple] = collections.OrderedDict()   # digest -> (value, size)
+        self._decoded_bytes = 0
         self._recent: collections.OrderedDict[str, bytes] = collections.OrderedDict()
         self._recent_bytes = 0
         self._lock = threading.Lock()
@@ -196,7 +197,7 @@ class Engine:
         ``canonical.Json``, its value); ``pin`` as ``Store.put``."""
         d = self.store.put(data, pin=pin)
         if isinstance(data, canonical.Json):
-            self._remember(d, data.value)
+            self._remember(d, data.value, len(data))
         if len(data) <= self.RECENT_BLOB_MAX:
             with self._lock:
                 if d not in self._recent:
@@ -261,17 +262,22 @@ class Engine:
         with self._lock:
             if digest in self._decoded:
                 self._decoded.move_to_end(digest)
-                return self._decoded[digest]
-        value = canonical.loads(self.fetch(digest))
-        self._remember(digest, value)
+                return self._decoded[digest][0]
+        data = self.fetch(digest)
+        value = canonical.loads(data)
+        self._remember(digest, value, len(data))
         return value
 
-    def _remember(self, digest: str, value) -> None:
+    DECODED_BYTES = 1 << 30      # decoded values kept, by the size of their JSON
+
+    def _remember(self, digest: str, value, size: int) -> None:
         with self._lock:
-            self._decoded[digest] = value
+            if digest not in self._decoded:
+                self._decoded_bytes += size
+            self._decoded[digest] = (value, size)
             self._decoded.move_to_end(digest)
-            if len(self._decoded) > 512:
-                self._decoded.popitem(last=False)
+            while self._decoded_bytes > self.DECODED_BYTES and len(self._decoded) > 1:
+                self._decoded_bytes -= self._decoded.popitem(last=False)[1][1]
 
 
 _gc_depth = [0]

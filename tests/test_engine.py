@@ -537,7 +537,7 @@ def test_values_phases_hand_over_in_process_equal_what_their_bytes_decode_to(tmp
     monkeypatch.chdir(tree)
     build_in_process(tree, "targets/small.toml")
     eng = Workspace.at(tree).engine
-    remembered = dict(eng._decoded)
+    remembered = {d: v for d, (v, _) in eng._decoded.items()}
     assert len(remembered) > 20
     for digest, value in remembered.items():
         assert canonical.is_normal(value), digest
