@@ -23,10 +23,10 @@ from pathlib import Path
 from . import __version__, canonical
 from .errors import PackageError
 from .files import write_atomic
-from .planning.codegen import read_image
+from .planning.codegen import decode_exchange, read_image
 
 MAGIC = b"IPUEXE\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: exchange tables of version 2 (broadcast entries; planning/codegen.py)
 HEADER = struct.Struct("<8sII16sQQ32sQ8s")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
@@ -174,6 +174,11 @@ class Package:
                 elif kind in ("program", "exchange"):
                     if canonical.digest(blobs.get(kind, b"")) != sd:
                         self._fail(f"bad checksum of the {kind} segment of tile image {digest[:16]}")
+                    if kind == "exchange":
+                        try:
+                            decode_exchange(blobs[kind])
+                        except ValueError as exc:
+                            self._fail(f"exchange segment of tile image {digest[:16]}: {exc}")
                 elif canonical.digest(blobs.get(f"data@{addr}", b"")) != sd:
                     self._fail(f"bad checksum of data segment {name} of tile image {digest[:16]}")
             self.images[digest] = (header, blobs)

@@ -48,13 +48,14 @@ def plan_package(ctx):
 
 def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     """An upper bound of each tile's generated code before exchanges are scheduled (one
-    exchange-table entry per transfer it sends: coalescing only removes entries)."""
+    single-destination exchange-table entry per transfer it sends: coalescing and broadcasts
+    only make the table smaller)."""
     per_tile = kernels_per_tile(program)
     sends: dict[str, int] = {}
     for step in program["steps"]:
         for t in step["transfers"]:
             sends[str(t[0])] = sends.get(str(t[0]), 0) + 1
-    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(sends.get(tile, 0))
+    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(sends.get(tile, 0), sends.get(tile, 0))
             + _program_size(program, tile, per_tile.get(tile, []))
             for tile in program["buffers"]}
 
@@ -157,14 +158,16 @@ def link_kernels(ctx):
 def size_tile_code(ctx):
     program, link, sched = ctx.json("program"), ctx.json("link_map"), ctx.json("exchange_schedule")
     entries: dict[str, int] = {}
+    dests: dict[str, int] = {}
     for s in sched:
         for t in s["transfers"]:
             entries[str(t[0])] = entries.get(str(t[0]), 0) + 1
+            dests[str(t[0])] = dests.get(str(t[0]), 0) + len(exchange.destination_tiles(t))
     out = {}
     for tile in program["buffers"]:
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
         prog = _program_size(program, tile, kernels)
-        xch = codegen.exchange_bytes(entries.get(tile, 0))
+        xch = codegen.exchange_bytes(entries.get(tile, 0), dests.get(tile, 0))
         kb = link["tiles"].get(tile, {"kernel_bytes": 0})["kernel_bytes"]
         out[tile] = {"kernel_bytes": kb, "program_bytes": prog, "exchange_table_bytes": xch,
                      "total": kb + prog + xch}
