@@ -118,7 +118,7 @@ def _finish(ws: Workspace, target: dict, files: list):
         write_if_changed(out / f"{t}.resolved.toml", _resolved(target))
         write_trace(out / "build.trace.json", f"doit build:{t}")
         log.plain(f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
-                  f"lower_bound={cost['lower_bound']}")
+                  f"lower_bound={cost['lower_bound']} peak_bound={cost.get('peak_bound')}")
         log.plain(f"profile={rel(out / f'{t}.profile.json')} tiles={verdict['tiles']} samples={verdict['samples']}")
         log.plain(f"referenceMinimumCosineSimilarity={verdict['min_cosine']}")
         verdict_word = "PASS" if verdict["pass"] else "FAIL"

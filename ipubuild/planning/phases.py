@@ -217,7 +217,8 @@ def optimize_exchange_placement(ctx):
     cost = program_cost(program, horizons, m)
     log.info("costed final placed program", final_cycles=cost["final_cycles"], final_exchange=cost["final_exchange"])
     log.info("bounded final placed program", lower_bound=cost["lower_bound"],
-             ratio=f"{cost['final_cycles'] / max(1, cost['lower_bound']):.3f}")
+             ratio=f"{cost['final_cycles'] / max(1, cost['lower_bound']):.3f}", peak_bound=cost["peak_bound"],
+             peak_ratio=f"{cost['final_cycles'] / max(1, cost['peak_bound']):.3f}")
     return {"placed_exchanges": _json(placed), "cost": _json(cost)}
 
 
