@@ -15,7 +15,7 @@ from ipubuild import frontend, ir, plugins, targets
 from ipubuild.errors import UserError
 from ipubuild.machine import load_machine
 from ipubuild.operators import registry
-from ipubuild.planning import exchange, phases, storage
+from ipubuild.planning import codegen, exchange, phases, storage
 from ipubuild.planning.cost import program_cost, step_compute
 from ipubuild.planning.program import build_program, default_layout, plans_of
 
@@ -488,3 +488,24 @@ def test_peak_bound_is_the_graphs_work_at_peak_rate(vit_graph, vit_program):
     other = build_program(vit_graph, {"ops": {str(op.id): {"plan": min(1, len(plans_of(vit_graph, 64)[op.id]) - 1),
                                                            "offset": 5} for op in vit_graph.ops}}, 64)
     assert peak_bound(other, MACHINE) == cost["peak_bound"] <= cost["lower_bound"]
+
+
+def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
+    from ipubuild.search import SearchContext, heuristics, initial_layout
+    layout = initial_layout(SearchContext(vit_graph, 64, MACHINE), heuristics())
+    program = build_program(vit_graph, layout, 64)
+    none = {k: 0 for k in registry().kernels}
+    bound = phases.provisional_code_bytes(program, none)
+    entries = defaultdict(list)
+    for s, step in enumerate(program["steps"]):
+        if step["transfers"]:
+            for t in exchange.schedule_phase(step["transfers"], MACHINE)["transfers"]:
+                entries[str(t[0])].append([s, t[0], 0, t[3], t[4], 0, t[7], t[8], t[9],
+                                           *[x for d in zip(t[10::4], t[12::4], t[13::4]) for x in (d[0], 0, d[2])]])
+    broadcast = 0
+    for tile in program["buffers"]:
+        table = len(codegen.encode_exchange(entries.get(tile, [])))
+        code = table + phases._program_size(program, tile, phases.kernels_per_tile(program).get(tile, []))
+        assert bound[tile] >= code, tile
+        broadcast += any(len(e) > 9 for e in entries.get(tile, []))
+    assert broadcast       # the bound is met with broadcasts in the tables

@@ -11,6 +11,7 @@ source's send port once and every destination's receive port, for the time of on
 """
 from __future__ import annotations
 
+import collections
 import heapq
 
 from ..operators import ceil_div
@@ -47,23 +48,24 @@ def broadcasts(transfers: list[list], paired: bool) -> list[list]:
 
     A broadcast's destinations use distinct receive ports (distinct tiles; distinct supertile
     pairs when ``paired``); on-tile copies stay single. Deterministic in the transfers' order."""
-    port = (lambda tile: tile // 2) if paired else (lambda tile: tile)
     groups: dict[tuple, list[list]] = {}
+    seen: dict[tuple, int] = {}     # (source rows, port) -> groups of those rows holding the port
     out: list[list] = []
     for t in transfers:
         st, sb, so, ss, dt, db, do, ds, rows, rb = t[:10]
         if st == dt:
             out.append(list(t))
             continue
-        for g in groups.setdefault((st, sb, so, ss, rows, rb), []):
-            if port(dt) not in g[1]:
-                g[0].extend([dt, db, do, ds])
-                g[1].add(port(dt))
-                break
+        source = (st, sb, so, ss, rows, rb)
+        k = (source, dt // 2 if paired else dt)
+        n = seen.get(k, 0)          # the first group of these rows without this port
+        seen[k] = n + 1
+        found = groups.setdefault(source, [])
+        if n < len(found):
+            found[n].extend([dt, db, do, ds])
         else:
-            g = [[st, sb, so, ss, dt, db, do, ds, rows, rb], {port(dt)}]
-            groups[(st, sb, so, ss, rows, rb)].append(g)
-            out.append(g[0])
+            found.append([st, sb, so, ss, dt, db, do, ds, rows, rb])
+            out.append(found[-1])
     return out
 
 
@@ -93,6 +95,42 @@ def _replay(info: list, order: list[int]) -> int:
     return horizon
 
 
+def _earliest_first(info: list, priority: list) -> list[int]:
+    """Transfers in the order of their earliest possible start (ties: ``priority``, smaller
+    first). Each waits on one port at a time — the one that last kept it from starting — so a
+    phase of n transfers costs about n log n, however many share a port."""
+    free: dict = collections.defaultdict(int)
+    waiting: dict = collections.defaultdict(list)          # port -> heap of (priority, i)
+    for i, (ports, _) in enumerate(info):
+        heapq.heappush(waiting[ports[0]], (priority[i], i))
+    ready = [(0, w[0][0], p) for p, w in waiting.items()]    # (port free at, top priority, port)
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        at, top, port = heapq.heappop(ready)
+        queue = waiting[port]
+        if not queue or at != free[port] or top != queue[0][0]:
+            continue                                        # superseded entry
+        _, i = heapq.heappop(queue)
+        ports, dur = info[i]
+        start, block = at, port
+        for q in ports:
+            if free[q] > start:
+                start, block = free[q], q
+        if block != port:                                   # wait on the port that keeps it
+            heapq.heappush(waiting[block], (priority[i], i))
+            heapq.heappush(ready, (free[block], waiting[block][0][0], block))
+        else:
+            order.append(i)
+            for q in ports:
+                free[q] = start + dur
+                if waiting[q] and q != port:
+                    heapq.heappush(ready, (free[q], waiting[q][0][0], q))
+        if queue:
+            heapq.heappush(ready, (free[port], queue[0][0], port))
+    return order
+
+
 def schedule(transfers: list[list], machine: dict, paired: bool) -> tuple[int, list[int]]:
     """A list schedule of one exchange phase: each transfer occupies its source's send port and
     its destinations' receive ports (an on-tile copy: the tile's local port) for its duration.
@@ -102,27 +140,20 @@ def schedule(transfers: list[list], machine: dict, paired: bool) -> tuple[int, l
     two ports at twice the bandwidth but pay a setup per transfer. Returns (horizon, order)."""
     info = [_ports_and_duration(t, machine, paired) for t in transfers]
     rank = sorted(range(len(transfers)), key=lambda i: (transfers[i], i))
-    tie = {i: r for r, i in enumerate(rank)}
+    tie = [0] * len(transfers)
+    for r, i in enumerate(rank):
+        tie[i] = r
     largest = sorted(range(len(transfers)), key=lambda i: (-transfers[i][8] * transfers[i][9], tie[i]))
-    load: dict = {}
+    load: dict = collections.defaultdict(int)
     for ports, dur in info:
         for p in ports:
-            load[p] = load.get(p, 0) + dur
-    heap = [(0, -max(load[p] for p in ports), -dur, tie[i], i) for i, (ports, dur) in enumerate(info)]
-    heapq.heapify(heap)
-    free: dict = {}
-    earliest = []
-    while heap:
-        start, crit, neg, t, i = heapq.heappop(heap)
-        ports, dur = info[i]
-        now = max(free.get(p, 0) for p in ports)
-        if now != start:                 # its ports were taken since: try again later
-            heapq.heappush(heap, (now, crit, neg, t, i))
-            continue
-        for p in ports:
-            free[p] = start + dur
-        earliest.append(i)
-    return min((_replay(info, largest), largest), (_replay(info, earliest), earliest))
+            load[p] += dur
+    first = (_replay(info, largest), largest)
+    if first[0] == max(load.values(), default=0):
+        return first                # the busiest port is never idle: nothing can be shorter
+    priority = [(-max(load[p] for p in ports), -dur, tie[i]) for i, (ports, dur) in enumerate(info)]
+    earliest = _earliest_first(info, priority)
+    return min(first, (_replay(info, earliest), earliest))
 
 
 def schedule_phase(transfers: list[list], machine: dict) -> dict:

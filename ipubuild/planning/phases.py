@@ -47,16 +47,27 @@ def plan_package(ctx):
 
 
 def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
-    """An upper bound of each tile's generated code before exchanges are scheduled (one
-    single-destination exchange-table entry per transfer it sends: coalescing and broadcasts
-    only make the table smaller)."""
+    """An upper bound of each tile's generated code before exchanges are scheduled. Its
+    exchange table: per step, the larger of the two tables the step's schedule may keep (its
+    coalesced transfers grouped into broadcasts for an ordinary or a paired schedule); placing
+    storage only merges entries."""
     per_tile = kernels_per_tile(program)
-    sends: dict[str, int] = {}
+    table: dict[str, int] = {}
     for step in program["steps"]:
-        for t in step["transfers"]:
-            sends[str(t[0])] = sends.get(str(t[0]), 0) + 1
-    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(sends.get(tile, 0), sends.get(tile, 0))
-            + _program_size(program, tile, per_tile.get(tile, []))
+        if not step["transfers"]:
+            continue
+        merged = exchange.coalesce(step["transfers"])
+        sizes = []
+        for paired in (False, True):
+            size: dict[str, int] = {}
+            for t in exchange.broadcasts(merged, paired):
+                size[str(t[0])] = size.get(str(t[0]), 0) + codegen.exchange_bytes(1, len(exchange.destination_tiles(t))) \
+                    - codegen.exchange_bytes(0, 0)
+            sizes.append(size)
+        for tile in set(sizes[0]) | set(sizes[1]):
+            table[tile] = table.get(tile, 0) + max(sizes[0].get(tile, 0), sizes[1].get(tile, 0))
+    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
+            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []))
             for tile in program["buffers"]}
 
 
