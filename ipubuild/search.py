@@ -131,23 +131,23 @@ class Estimator:
         terms = [self.term(op, layout, res) for op in self.g.ops]
         return None if any(t is None for t in terms) else sum(t[0] for t in terms)
 
-    def delta(self, layout: dict, resolved: dict, op_id: int, plan: int) -> int | None:
-        """How much the estimate of ``layout`` (resolved as ``resolved``) changes if operation
-        ``op_id`` takes plan ``plan``; None if that makes the layout invalid. Only the terms
-        the change touches are computed: the operation, the operations that follow it (their
-        blocks move with it), and their consumers."""
+    def delta(self, layout: dict, resolved: dict, changes: dict[int, int]) -> int | None:
+        """How much the estimate of ``layout`` (resolved as ``resolved``) changes if each
+        operation in ``changes`` takes its plan there; None if that makes the layout invalid.
+        Only the terms the change touches are computed: the operations changed, those that
+        follow them (their blocks move with them), and their consumers."""
         new = dict(resolved)
-        moved = {op_id}
-        for op in self.g.ops[op_id:]:
-            i = plan if op.id == op_id else layout["ops"][str(op.id)]["plan"]
+        moved = set(changes)
+        for op in self.g.ops[min(changes):]:
+            i = changes.get(op.id, layout["ops"][str(op.id)]["plan"])
             p = self.plans[op.id][i]
-            if op.id == op_id and "follow" not in p:
-                new[op.id] = ((i,), layout["ops"][str(op.id)]["offset"])
-            elif "follow" in p:
+            if "follow" in p:
                 src = self.producer[op.inputs[p["follow"]]].id
-                if op.id == op_id or src in moved:
+                if op.id in changes or src in moved:
                     moved.add(op.id)
                     new[op.id] = ((i, new[src][0]), new[src][1])
+            elif op.id in changes:
+                new[op.id] = ((i,), layout["ops"][str(op.id)]["offset"])
         touched = moved | {c for m in moved for c in self._consumers[m]}
         before = after = 0
         for i in sorted(touched):
@@ -158,6 +158,16 @@ class Estimator:
             before += a[0] if a else 0
             after += b[0]
         return after - before
+
+    def followers(self, layout: dict, op_id: int) -> set[int]:
+        """The operations that follow ``op_id``'s blocks under ``layout``, directly or through
+        other followers."""
+        out = {op_id}
+        for op in self.g.ops[op_id + 1:]:
+            p = self.plans[op.id][layout["ops"][str(op.id)]["plan"]]
+            if "follow" in p and self.producer[op.inputs[p["follow"]]].id in out:
+                out.add(op.id)
+        return out - {op_id}
 
     def pressure(self, layout: dict) -> int:
         """Bytes through the busiest exchange port, summed over exchange phases."""

@@ -98,6 +98,21 @@ def test_vit_fp8_elementwise_operations_exchange_nothing(vit):
     assert checked >= 4     # the softmax's cast, the residual adds, the positional embedding
 
 
+def test_vit_fp8_attention_stays_on_the_tiles_of_its_heads(vit):
+    """Each head's scores on tiles that computed that head's Q, K or V columns; the context
+    where the probabilities were computed."""
+    g, program, layout = vit.graph, vit.json("program"), vit.json("layout")
+    plans = plans_of(g, 64)
+    ops = {op.name: op for op in g.ops}
+    chosen = {n: plans[ops[n].id][layout["ops"][str(ops[n].id)]["plan"]] for n in ("block0.scores", "block0.context")}
+    assert chosen["block0.scores"] == {"follow": 0}                       # qkv's tiles
+    assert chosen["block0.context"] in ({"follow": 0}, {"follow": 1})     # the probabilities', or qkv's
+    steps = {s["name"]: s for s in program["steps"]}
+    qkv_tiles = set(steps["block0.qkv"]["vertices"])
+    assert set(steps["block0.scores"]["vertices"]) <= qkv_tiles
+    assert set(steps["block0.context"]["vertices"]) == set(steps["block0.scores"]["vertices"])
+
+
 def test_vit_fp8_broadcasts_and_folds_its_casts(vit):
     placed, program = vit.json("placed_exchanges"), vit.json("program")
     fanout = [len(e[8:]) // 3 + 1 for table in placed for e in table["entries"]]

@@ -126,7 +126,7 @@ def test_estimator_delta_is_the_change_of_the_estimate():
         op = rnd.choice(sc.graph.ops)
         plan = rnd.randrange(len(sc.plans[op.id]))
         changed = {"ops": dict(layout["ops"], **{str(op.id): dict(layout["ops"][str(op.id)], plan=plan)})}
-        d, e = est.delta(layout, resolved, op.id, plan), est.estimate(changed)
+        d, e = est.delta(layout, resolved, {op.id: plan}), est.estimate(changed)
         assert (d is None) == (e is None), (op.name, sc.plans[op.id][plan])
         if d is None:
             invalid += 1
@@ -143,12 +143,11 @@ def test_descent_proposes_ever_cheaper_prefixes_of_one_path():
     assert len(proposals) >= 2
     estimates = []
     for i, ch in enumerate(proposals):
-        ops = dict(ch.plans)
-        assert len(ops) <= i + 1 and (i == 0 or set(dict(proposals[i - 1].plans)) <= set(ops))   # one more step
+        assert i == 0 or set(dict(proposals[i - 1].plans)) <= set(dict(ch.plans))    # one more step on one path
         changed = ch.apply(layout, sc.plans, sc.tile_count)
         assert sc.estimator.fits(changed)
         estimates.append(sc.estimator.estimate(changed))
-    assert estimates == sorted(estimates, reverse=True) and estimates[0] < sc.estimator.estimate(layout)
+    assert all(a > b for a, b in zip(estimates, estimates[1:])) and estimates[0] < sc.estimator.estimate(layout)
     assert len({ch.plans for ch in proposals}) == len(proposals)
 
 

@@ -9,6 +9,9 @@ from ..search import Changes, Heuristic
 
 #: how many single re-plans one descent chains at most
 DESCENT_STEPS = 24
+#: how many changes one descent may estimate in all (vit_fp8's takes about 8000; on a large
+#: machine each estimate is slow, and the costliest operations are tried first)
+DESCENT_BUDGET = 20000
 
 
 def replan(layout, sc):
@@ -68,33 +71,59 @@ def follow_producer(layout, sc):
 
 
 def descend(layout, sc):
-    """Coupled changes: from the incumbent, take the single re-plan the estimator finds best
-    (and within the constant cap), then the best from there, and so on while the estimate
-    improves (at most DESCENT_STEPS); propose every prefix of that path as one change. A plan
-    whose gain shows only once the operations it feeds change too is reached this way, which
-    single re-plans screened one at a time cannot reach."""
+    """Coupled changes: from the incumbent, take the change the estimator finds best (and
+    within the constant cap) — one operation re-planned, alone or with the operations that read
+    its blocks then following them — then the best from there, and so on while the estimate
+    improves (at most DESCENT_STEPS, within DESCENT_BUDGET estimates); propose every prefix of
+    that path as one change. A plan whose gain shows only once the operations it feeds change
+    too is reached this way, which single re-plans screened one at a time cannot reach."""
     est = sc.estimator
     current = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
     chosen: dict[int, int] = {}
     out = []
+    budget = DESCENT_BUDGET
     for _ in range(DESCENT_STEPS):
         res = est.resolve(current)
+        costliest = sorted(sc.graph.ops, key=lambda op: (-(est.term(op, current, res) or (0,))[0], op.id))
         moves = []
-        for op in sc.graph.ops:
+        for op in costliest:
             mine = current["ops"][str(op.id)]["plan"]
+            readers = _readers_that_could_follow(current, sc, op.id)
             for p in range(len(sc.plans[op.id])):
-                if p != mine:
-                    d = est.delta(current, res, op.id, p)
-                    if d is not None and d < 0:
-                        moves.append((d, op.id, p))
-        for d, op_id, p in sorted(moves):
-            trial = {"ops": dict(current["ops"], **{str(op_id): dict(current["ops"][str(op_id)], plan=p)})}
+                if p == mine:
+                    continue
+                # alone, and with the readers of its blocks following them
+                for change in ({op.id: p}, {op.id: p, **readers}):
+                    if budget > 0 and (len(change) == 1 or readers):
+                        budget -= 1
+                        d = est.delta(current, res, change)
+                        if d is not None and d < 0:
+                            moves.append((d, tuple(sorted(change.items()))))
+        for d, change in sorted(moves):
+            trial = {"ops": dict(current["ops"], **{str(i): dict(current["ops"][str(i)], plan=p) for i, p in change})}
             if est.fits(trial):
-                current, chosen[op_id] = trial, p
+                current = trial
+                chosen.update(change)
                 out.append(Changes(plans=tuple(sorted(chosen.items()))))
                 break
         else:
             break
+    return out
+
+
+def _readers_that_could_follow(layout, sc, op_id) -> dict[int, int]:
+    """``{reader: its follow plan}`` for each operation that reads ``op_id``'s blocks (its
+    output, or its followers') without following them but could."""
+    chain = {op_id} | sc.estimator.followers(layout, op_id)
+    values = {v: i for i in chain for v in sc.graph.ops[i].outputs}
+    out = {}
+    for op in sc.graph.ops[op_id + 1:]:
+        if op.id in chain:
+            continue
+        for j, p in enumerate(sc.plans[op.id]):
+            if "follow" in p and op.inputs[p["follow"]] in values and j != layout["ops"][str(op.id)]["plan"]:
+                out[op.id] = j
+                break
     return out
 
 
