@@ -27,7 +27,7 @@ from .errors import UserError
 from .files import write_atomic
 from .log import log, phase_finished, span
 from .operators import ceil_div, registry
-from .planning.cost import vertex_cycles
+from .planning.cost import scalar_args
 from .planning.program import Blocks, PlanResolver, default_layout, plans_of
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
@@ -216,7 +216,9 @@ class Estimator:
         """Per stage, ``[(logical tile, reads, writes, compute cycles)]``."""
         k = (op.id, choice)
         if k not in self._work:
-            self._work[k] = [[(w.tile, w.reads, w.writes, sum(vertex_cycles(n, a, self.m) for n, a in w.vertices))
+            kernels = self.resolver.reg.kernels
+            self._work[k] = [[(w.tile, w.reads, w.writes,
+                               sum(int(kernels[n].cycles(scalar_args(a), self.m)) for n, a in w.vertices))
                               for w in st] for st in self.resolver.lowering(op, choice).stages]
         return self._work[k]
 
