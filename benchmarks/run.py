@@ -56,6 +56,8 @@ _INCUMBENT = re.compile(r"validated search incumbent cycles=(?P<cycles>\d+) resu
 _ACCEPTED = re.compile(r"accepted local layout improvement attempt=(?P<attempt>\d+) before=(?P<before>\d+) "
                        r"after=(?P<after>\d+)")
 _FINAL = re.compile(r"^final_cycles=(?P<cycles>\d+)", re.M)
+_BOUNDS = re.compile(r"^final_cycles=(?P<final_cycles>\d+) final_exchange=(?P<final_exchange>\d+) "
+                     r"lower_bound=(?P<lower_bound>\d+)(?: peak_bound=(?P<peak_bound>\d+))?", re.M)
 _COSINE = re.compile(r"^referenceMinimumCosineSimilarity=(?P<v>\S+)", re.M)
 _VERDICT = re.compile(r"^referenceMaximumAbsoluteError=(?P<err>\S+) numericalTest=(?P<verdict>\w+)", re.M)
 _DEVICE = re.compile(r"deviceTest=(?P<v>\w+)")
@@ -138,6 +140,17 @@ def parse_result(log: str) -> dict:
             "max_abs_error": float(ver["err"]) if ver else None,
             "numerical_test": ver["verdict"] if ver else None,
             "device_test": dev["v"] if dev else None}
+
+
+def parse_bounds(log: str) -> dict:
+    """The program's cycles against its bounds, from the build's closing line: ``lower_bound``
+    (this program's: per step max(balanced compute, balanced exchange) + sync) and
+    ``peak_bound`` (the graph's work at the machine's peak rate over all tiles, plus one sync)."""
+    m = _BOUNDS.search(log)
+    out = {k: (int(m[k]) if m and m[k] else None) for k in ("final_cycles", "final_exchange", "lower_bound", "peak_bound")}
+    out["over_lower_bound"] = ratio(out["final_cycles"], out["lower_bound"])
+    out["over_peak_bound"] = ratio(out["final_cycles"], out["peak_bound"])
+    return out
 
 
 def gain_pct(initial, final):
@@ -263,7 +276,7 @@ class Bench:
                 "run_device_ms": _one(phase_ms(phases, "run_device")),
                 "evaluate_reference_ms": _one(phase_ms(phases, "evaluate_reference")),
                 "plan_package_ms": _one(phase_ms(phases, "plan_package")),
-                "search": parse_search(log), "log": log_path.name}
+                "search": parse_search(log), "bounds": parse_bounds(log), "log": log_path.name}
 
 
     def floor(self) -> float:
@@ -458,6 +471,8 @@ def search_summary(samples: list[dict]) -> dict:
         "search_ms": median([s["plan_package_ms"] for s in samples]),
         "candidate_ms": median([ms for s in samples for ms in s["candidate_ms"]]),
         "candidates": sum(len(s["candidate_ms"]) for s in samples),
+        **{k: median([s.get("bounds", {}).get(k) for s in samples])
+           for k in ("lower_bound", "peak_bound", "over_lower_bound", "over_peak_bound")},
         "build_wall_s": median(_wall(samples)),
         "deterministic": len({(s["search"]["initial_cycles"], s["search"]["final_cycles"]) for s in samples}) <= 1,
     }
@@ -581,7 +596,8 @@ def table(res: dict) -> str:
               f"{'clean: evaluate_reference ms (host)':<36} {_f(md['evaluate_reference_ms'], '{:.0f}'):>10}", ""]
     lines.append(f"{'search':<11} {'rounds':>6} {'prop/s':>9} {'eval/s':>7} {'cand ms':>7} {'hit rate by round':<20} "
                  f"{'prop/s by round':<20} "
-                 f"{'initial':>8} {'final':>8} {'gain %':>7} {'search ms':>9}")
+                 f"{'initial':>8} {'final':>8} {'gain %':>7} {'search ms':>9} {'lower bd':>8} {'x':>5} "
+                 f"{'peak bd':>8} {'x':>5}")
     for w, s in res["search"].items():
         hits = " ".join(_f(v, "{:.2f}") for v in s["cache_hit_rate_by_round"].values()) or "-"
         props = " ".join(_f(v, "{:.0f}") for v in s["proposals_per_s_by_round"].values()) or "-"
@@ -589,7 +605,9 @@ def table(res: dict) -> str:
                      f"{_f(s['evaluations_per_s'], '{:.2f}'):>7} {_f(s['candidate_ms'], '{:.0f}'):>7} "
                      f"{hits:<20} {props:<20} {_f(s['initial_cycles'], '{:.0f}'):>8} "
                      f"{_f(s['final_cycles'], '{:.0f}'):>8} {_f(s['gain_pct'], '{:.2f}'):>7} "
-                     f"{_f(s['search_ms'], '{:.0f}'):>9}")
+                     f"{_f(s['search_ms'], '{:.0f}'):>9} {_f(s.get('lower_bound'), '{:.0f}'):>8} "
+                     f"{_f(s.get('over_lower_bound'), '{:.2f}'):>5} {_f(s.get('peak_bound'), '{:.0f}'):>8} "
+                     f"{_f(s.get('over_peak_bound'), '{:.2f}'):>5}")
     lines += ["", f"{'ratio':<30} {'median':>8} {'of medians':>11}  per repeat"]
     for k, r in res["ratios"].items():
         per = " ".join(_f(x) for x in r["samples"])

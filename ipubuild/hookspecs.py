@@ -32,7 +32,10 @@ def ipubuild_operators():
     raising ``ValueError`` with a message for bad inputs), ``reference`` (numpy evaluation in
     device precision), ``plans`` (the ways it splits over tiles), ``lower`` (the per-tile work of
     a plan: blocks read and written and the kernel vertex each tile runs) and ``kernels`` (the
-    C sources with their variants and cycle estimators). All results are collected.
+    C sources with their variants and cycle estimators). Optionally: ``follows`` /
+    ``follow_plans`` / ``follow`` (taking a producer's blocks, so an input needs no exchange),
+    ``fuses_cast`` (writing FP8 directly, a cast folded into its kernel) and ``macs`` (for the
+    program-independent bound). All results are collected.
     """
 
 

@@ -10,6 +10,11 @@ buffer by the exchange before the compute phase) and writes blocks (each one con
 buffer that then holds that part of the value), and runs vertices: calls of kernel variants
 whose arguments are integers or references ``("r", i, byte_offset)`` / ``("w", i, byte_offset)``
 to the address of its i-th read or written buffer.
+
+An operator may also *follow* a producer: a plan ``{"follow": i}`` runs it on the tiles where
+the producer of its input ``i`` wrote that input, block for block, so that input needs no
+exchange. The planner turns it into a concrete plan with ``follow`` (given the producer's
+blocks) before ``lower`` sees it.
 """
 from __future__ import annotations
 
@@ -61,6 +66,13 @@ class Operator:
 
     name: str = ""
 
+    #: how the operator can follow a producer: ``"elements"`` — each output element needs only
+    #: the same element of its same-shaped inputs (and the same column of a one-row input), so
+    #: it runs on any blocks (``lower`` takes ``{"blocks": [[tile, r0, r1, c0, c1], ...]}``);
+    #: ``"rows"`` — the same, for blocks that span whole rows; None — it cannot (the default).
+    #: Operators with other rules override ``follow_plans`` and ``follow``.
+    follows: str | None = None
+
     def infer(self, graph, op) -> list[tuple]:
         """``[(shape, dtype, scale_exp)]`` for each output; raise ValueError for bad inputs."""
         raise NotImplementedError
@@ -84,6 +96,38 @@ class Operator:
         another operator's ``kernels()``). A target compiles only the variants its operations
         name here; the default, every variant of ``kernels()``, is always safe."""
         return [kv.name for kv in self.kernels()]
+
+    def follow_plans(self, graph, op) -> list[dict]:
+        """``{"follow": i}`` for each input ``i`` this operation can follow: an operation's
+        output (not a constant or graph input) of the output's shape."""
+        if self.follows is None:
+            return []
+        out = graph.values[op.outputs[0]]
+        fixed = set(graph.constants) | set(graph.inputs)
+        return [{"follow": i} for i, v in enumerate(op.inputs)
+                if v not in fixed and graph.values[v].shape == out.shape]
+
+    def follow(self, graph, op, position: int, blocks: list) -> dict:
+        """The concrete plan that runs this operation on the tiles holding ``blocks`` (the
+        ``(tile, r0, r1, c0, c1)`` blocks its producer wrote of input ``position``); raise
+        ValueError if it cannot."""
+        if self.follows == "rows":
+            cols = graph.values[op.inputs[position]].cols
+            if any((c0, c1) != (0, cols) for _, _, _, c0, c1 in blocks):
+                raise ValueError("its producer splits columns and it needs whole rows")
+        return {"blocks": [list(b) for b in blocks]}
+
+    def fuses_cast(self, graph, op, dtype: str) -> bool:
+        """Whether the operation can write its output as ``dtype`` directly, a cast folded
+        into its kernel (no separate step, no sync). If so, a cast policy may set attributes
+        ``to`` (the dtype) and ``scale_exp`` on it, and ``infer``, ``reference`` and ``lower``
+        honour them, bit-exact with the operation followed by a cast."""
+        return False
+
+    def macs(self, graph, op) -> int:
+        """Multiply-accumulates of the operation (0 for one that is not a product): with its
+        output's element count, what the program-independent bound charges it."""
+        return 0
 
     # used by ipubuild ----------------------------------------------------------------------
     def infer_types(self, graph, op) -> list[tuple]:

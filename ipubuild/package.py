@@ -36,7 +36,7 @@ from .planning import codegen
 from .planning.codegen import read_image
 
 MAGIC = b"IPUEXE\r\n"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: exchange tables of version 2 (broadcast entries; planning/codegen.py)
 HEADER = struct.Struct("<8sII16sQQ32sQ8s")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
@@ -501,16 +501,14 @@ class Package:
         if not exact:
             self._fail(f"the exchange table of {what} does not decode")
         mc = m["machine"]
-        e = table.astype(np.int64)                       # [step, src tile, addr, stride, dst tile, addr, stride, rows, row bytes]
-        rows, rb = e[:, 7], e[:, 8]
-        bad = e[:, 0] >= phases
-        for tile, addr, stride in ((e[:, 1], e[:, 2], e[:, 3]), (e[:, 4], e[:, 5], e[:, 6])):
-            bad |= ~np.isin(tile, sorted(used)) | (addr < mc["sram_base"])
-            bad |= addr + np.maximum(rows - 1, 0) * stride + rb > mc["loader_limit"]
-        if bad.any():
-            i = int(np.argmax(bad))
-            self._fail(f"entry {i} {table[i].tolist()} of the exchange table of {what} is past the run "
-                       "phases, a loaded tile or tile memory")
+        lo, hi = mc["sram_base"], mc["loader_limit"]
+        for i, e in enumerate(table):   # [step, src tile, addr, stride, dst tile, addr, stride, rows,
+            rows, rb = e[7], e[8]       #  row bytes, (dst tile, addr, stride) of each further receiver]
+            ends = [(e[1], e[2], e[3]), (e[4], e[5], e[6])] + [tuple(e[j:j + 3]) for j in range(9, len(e), 3)]
+            if e[0] >= phases or any(t not in used or a < lo or a + max(rows - 1, 0) * st + rb > hi
+                                     for t, a, st in ends):
+                self._fail(f"entry {i} {e[:9]} of the exchange table of {what} is past the run phases, a "
+                           "loaded tile or tile memory")
 
     def _check_bindings(self, m: dict, side: str, used: set) -> None:
         mc = m["machine"]

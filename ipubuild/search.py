@@ -27,8 +27,8 @@ from .errors import UserError
 from .files import write_atomic
 from .log import log, phase_finished, span
 from .operators import ceil_div, registry
-from .planning.cost import vertex_cycles
-from .planning.program import Blocks, default_layout, plans_of
+from .planning.cost import scalar_args
+from .planning.program import Blocks, PlanResolver, default_layout, plans_of
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
               "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
@@ -94,102 +94,187 @@ class SearchContext:
 
 class Estimator:
     """A cheap cost estimate of a layout: per operation stage, the slowest tile's compute, the
-    busiest exchange port's bytes and a sync. Terms are cached by the choices they depend on
-    (the operation's and its producers'), so re-estimating a change costs a few operations."""
+    busiest exchange port's time (each transfer's setup per row and its bytes, at the sender
+    and at every receiver; a block several tiles read from one source is sent once: a
+    broadcast) and a sync. Terms are cached by the choices they depend on (the operation's and
+    its producers', follow chains included), so re-estimating a change costs a few operations.
+    A layout whose follow plans cannot follow their producers is invalid (``estimate`` None)."""
 
     def __init__(self, graph, tile_count, machine, plans):
         self.g, self.T, self.m, self.plans = graph, tile_count, machine, plans
-        self.reg = registry()
+        self.resolver = PlanResolver(graph, tile_count, plans)
         self.producer = {v: op for op in graph.ops for v in op.outputs}
         self.fixed = set(graph.constants) | set(graph.inputs)
         self.const_keys = {f"v{v}" for v in graph.constants}
+        self._producers = {op.id: sorted({self.producer[v].id for v in op.inputs if v not in self.fixed})
+                           for op in graph.ops}
+        self._consumers = collections.defaultdict(set)
+        for op in graph.ops:
+            for p in self._producers[op.id]:
+                self._consumers[p].add(op.id)
         mem = machine["memory"]
         self.cap = int((mem["loader_limit"] - mem["sram_base"]) * mem["constant_fraction"])
-        self._lowered, self._terms = {}, {}
+        self._isz = collections.defaultdict(lambda: 4)   # temporaries are f32
+        self._isz.update({f"v{v}": val.itemsize for v, val in graph.values.items()})
+        self._terms, self._writes, self._work = {}, {}, {}
 
-    def lowering(self, op, plan: int):
-        k = (op.id, plan)
-        if k not in self._lowered:
-            self._lowered[k] = self.reg.get(op.type).lower(self.g, op, self.plans[op.id][plan])
-        return self._lowered[k]
+    def resolve(self, layout: dict) -> dict:
+        return self.resolver.resolve(layout)
 
-    def estimate(self, layout: dict) -> int:
-        return sum(self.term(op, layout)[0] for op in self.g.ops)
+    def lowering(self, op, layout: dict, resolved: dict | None = None):
+        """The operation's lowering under ``layout`` (ValueError if its plan cannot follow)."""
+        resolved = resolved or self.resolve(layout)
+        return self.resolver.lowering(op, resolved[op.id][0])
+
+    def estimate(self, layout: dict) -> int | None:
+        res = self.resolve(layout)
+        terms = [self.term(op, layout, res) for op in self.g.ops]
+        return None if any(t is None for t in terms) else sum(t[0] for t in terms)
+
+    def delta(self, layout: dict, resolved: dict, changes: dict[int, int]) -> int | None:
+        """How much the estimate of ``layout`` (resolved as ``resolved``) changes if each
+        operation in ``changes`` takes its plan there; None if that makes the layout invalid.
+        Only the terms the change touches are computed: the operations changed, those that
+        follow them (their blocks move with them), and their consumers."""
+        new = dict(resolved)
+        moved = set(changes)
+        for op in self.g.ops[min(changes):]:
+            i = changes.get(op.id, layout["ops"][str(op.id)]["plan"])
+            p = self.plans[op.id][i]
+            if "follow" in p:
+                src = self.producer[op.inputs[p["follow"]]].id
+                if op.id in changes or src in moved:
+                    moved.add(op.id)
+                    new[op.id] = ((i, new[src][0]), new[src][1])
+            elif op.id in changes:
+                new[op.id] = ((i,), layout["ops"][str(op.id)]["offset"])
+        touched = moved | {c for m in moved for c in self._consumers[m]}
+        before = after = 0
+        for i in sorted(touched):
+            op = self.g.ops[i]
+            a, b = self.term(op, layout, resolved), self.term(op, layout, new)
+            if b is None:
+                return None
+            before += a[0] if a else 0
+            after += b[0]
+        return after - before
+
+    def followers(self, layout: dict, op_id: int) -> set[int]:
+        """The operations that follow ``op_id``'s blocks under ``layout``, directly or through
+        other followers."""
+        out = {op_id}
+        for op in self.g.ops[op_id + 1:]:
+            p = self.plans[op.id][layout["ops"][str(op.id)]["plan"]]
+            if "follow" in p and self.producer[op.inputs[p["follow"]]].id in out:
+                out.add(op.id)
+        return out - {op_id}
 
     def pressure(self, layout: dict) -> int:
         """Bytes through the busiest exchange port, summed over exchange phases."""
-        return sum(self.term(op, layout)[1] for op in self.g.ops)
+        res = self.resolve(layout)
+        return sum((self.term(op, layout, res) or (0, 0))[1] for op in self.g.ops)
 
     def constant_load(self, layout: dict) -> collections.Counter:
         """Bytes of constants (weights) each tile holds under this layout."""
+        res = self.resolve(layout)
         load = collections.Counter()
         for op in self.g.ops:
-            load.update(self.term(op, layout)[2])
+            load.update((self.term(op, layout, res) or (0, 0, {}))[2])
         return load
 
     def fits(self, layout: dict) -> bool:
-        """Whether every tile's constants stay under the planning cap of tile memory."""
-        return max(self.constant_load(layout).values(), default=0) <= self.cap
+        """Whether the layout is valid and every tile's constants stay under the planning cap
+        of tile memory."""
+        return self.estimate(layout) is not None and \
+            max(self.constant_load(layout).values(), default=0) <= self.cap
 
-    def term(self, op, layout) -> tuple:
-        """(estimated cycles, busiest-port bytes, {tile: constant bytes}) of one operation."""
-        choice = layout["ops"][str(op.id)]
-        producers = sorted({self.producer[v].id for v in op.inputs if v not in self.fixed})
-        key = (op.id, choice["plan"], choice["offset"],
-               tuple((p, layout["ops"][str(p)]["plan"], layout["ops"][str(p)]["offset"]) for p in producers))
+    def term(self, op, layout, resolved: dict | None = None) -> tuple | None:
+        """(estimated cycles, busiest-port bytes, {tile: constant bytes}) of one operation, or
+        None if its plan cannot follow its producer."""
+        res = resolved or self.resolve(layout)
+        key = (op.id, res[op.id], tuple((p, res[p]) for p in self._producers[op.id]))
         if key not in self._terms:
-            self._terms[key] = self._compute(op, layout)
+            try:
+                self._terms[key] = self._compute(op, res)
+            except ValueError:
+                self._terms[key] = None
         return self._terms[key]
 
-    def _compute(self, op, layout) -> tuple:
-        stored = collections.defaultdict(Blocks)
-        for v in op.inputs:
-            if v in self.fixed:
-                continue
-            p = self.producer[v]
-            pc = layout["ops"][str(p.id)]
-            for w in self.lowering(p, pc["plan"]).stages[-1]:
-                for blk in w.writes:
-                    stored[blk[0]].add((pc["offset"] + w.tile) % self.T, None, blk[1:])
-        choice = layout["ops"][str(op.id)]
+    def _written(self, op, choice, offset) -> dict:
+        """Where an operation's lowering leaves its blocks: ``{value key: Blocks}``."""
+        k = (op.id, choice, offset)
+        if k not in self._writes:
+            stored = collections.defaultdict(Blocks)
+            for st in self.resolver.lowering(op, choice).stages:
+                for w in st:
+                    for blk in w.writes:
+                        stored[blk[0]].add((offset + w.tile) % self.T, True, blk[1:])
+            self._writes[k] = dict(stored)
+        return self._writes[k]
+
+    def _stages(self, op, choice) -> list:
+        """Per stage, ``[(logical tile, reads, writes, compute cycles)]``."""
+        k = (op.id, choice)
+        if k not in self._work:
+            kernels = self.resolver.reg.kernels
+            self._work[k] = [[(w.tile, w.reads, w.writes,
+                               sum(int(kernels[n].cycles(scalar_args(a), self.m)) for n, a in w.vertices))
+                              for w in st] for st in self.resolver.lowering(op, choice).stages]
+        return self._work[k]
+
+    def _compute(self, op, res) -> tuple:
+        stored = {}
+        for p in self._producers[op.id]:
+            stored.update(self._written(self.g.ops[p], *res[p]))
+        own = collections.defaultdict(Blocks)        # what earlier stages of this operation wrote
+        choice, offset = res[op.id]
         x = self.m["exchange"]
+        setup, bw, local_bw = x["transfer_setup_cycles"], x["bytes_per_cycle"], x["local_copy_bytes_per_cycle"]
         total = pressure = 0
-        consts = collections.Counter()
-        for stage in self.lowering(op, choice["plan"]).stages:
-            send, recv, entries = collections.Counter(), collections.Counter(), collections.Counter()
-            local = collections.Counter()
+        consts = {}
+        for stage in self._stages(op, choice):
+            # per port: busy cycles (a transfer's setup per row plus its bytes at the port's
+            # rate, on the sender once and on every receiver) and bytes
+            busy, moved = collections.Counter(), collections.Counter()
             compute = collections.Counter()
-            for w in stage:
-                tile = (choice["offset"] + w.tile) % self.T
-                for blk in w.reads:
-                    if blk[0] in self.const_keys:
-                        consts[tile] += (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._itemsize(blk[0])
-                    if blk[0] not in stored or stored[blk[0]].exact(tile, blk[1:]) is not None:
+            sent, gathered = set(), set()
+            for t, reads, writes, cycles in stage:
+                tile = (offset + t) % self.T
+                compute[tile] += cycles
+                for blk in reads:
+                    vk = blk[0]
+                    if vk in self.const_keys:
+                        consts[(tile, blk)] = (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._isz[vk]
                         continue
-                    for src, _, sblk, (r0, r1, c0, c1) in stored[blk[0]].overlapping(blk[1:]):
-                        nbytes = (r1 - r0) * (c1 - c0) * self._itemsize(blk[0])
+                    src_blocks = own.get(vk) or stored.get(vk)
+                    if src_blocks is None or (tile, blk) in gathered or src_blocks.exact(tile, blk[1:]) is not None:
+                        continue
+                    gathered.add((tile, blk))
+                    isz = self._isz[vk]
+                    for src, _, sblk, (r0, r1, c0, c1) in src_blocks.overlapping(blk[1:]):
+                        nbytes = (r1 - r0) * (c1 - c0) * isz
                         # rows coalesce into one transfer only when they span both blocks' width
                         rows = 1 if (c0, c1) == (sblk[2], sblk[3]) == (blk[3], blk[4]) else r1 - r0
                         if src == tile:
-                            local[tile] += nbytes
-                        else:
-                            send[src] += nbytes
-                            recv[tile] += nbytes
-                        entries[src] += rows
-                compute[tile] += sum(vertex_cycles(k, a, self.m) for k, a in w.vertices)
-            for w in stage:
-                for blk in w.writes:
-                    stored[blk[0]].add((choice["offset"] + w.tile) % self.T, None, blk[1:])
-            port = max([*send.values(), *recv.values(), 0])
-            pressure += port
-            total += (max(ceil_div(port, x["bytes_per_cycle"]),
-                          ceil_div(max(local.values(), default=0), x["local_copy_bytes_per_cycle"]))
-                      + x["transfer_setup_cycles"] * max(entries.values(), default=0)
-                      + max(compute.values(), default=0) + x["sync_cycles"])
-        return total, pressure, dict(consts)
-
-    def _itemsize(self, vk: str) -> int:
-        return self.g.values[int(vk[1:])].itemsize if vk.startswith("v") else 4
+                            busy[("local", tile)] += setup * rows + ceil_div(nbytes, local_bw)
+                            continue
+                        cycles = setup * rows + ceil_div(nbytes, bw)
+                        busy[("recv", tile)] += cycles
+                        moved[("recv", tile)] += nbytes
+                        fragment = (src, vk, sblk, r0, r1, c0, c1, rows)
+                        if fragment not in sent:        # one send for every tile that reads it
+                            sent.add(fragment)
+                            busy[("send", src)] += cycles
+                            moved[("send", src)] += nbytes
+            for t, reads, writes, cycles in stage:
+                for blk in writes:
+                    own[blk[0]].add((offset + t) % self.T, True, blk[1:])
+            pressure += max(moved.values(), default=0)
+            total += max(busy.values(), default=0) + max(compute.values(), default=0) + x["sync_cycles"]
+        load = collections.Counter()
+        for (tile, _), nbytes in consts.items():
+            load[tile] += nbytes
+        return total, pressure, dict(load)
 
 
 # exact evaluation ------------------------------------------------------------------------------
@@ -460,35 +545,54 @@ SPREAD_FACTOR = 2
 
 
 def initial_layout(sc: SearchContext, found) -> dict:
-    """Greedy: in program order, each operation takes the plan (among its default and up to
-    INITIAL_PLANS_TRIED spread over its list) that the estimator finds cheapest given the
-    plans already chosen for its producers, preferring plans that keep every tile's constants
-    under the cap."""
+    """Greedy, in program order. An elementwise operation (a cast, an activation, a residual
+    add) takes its producer's blocks — the cheapest of its follow plans that can — so it
+    exchanges nothing; any other operation takes the plan (among its default, up to
+    INITIAL_PLANS_TRIED spread over its list, and its follow plans) that the estimator finds
+    cheapest given the plans already chosen for its producers, preferring plans that keep
+    every tile's constants under the cap."""
     layout = default_layout(sc.graph, sc.tile_count)
+    reg = registry()
     cursor, load = 0, collections.Counter()
     for op in sc.graph.ops:
         n = len(sc.plans[op.id])
-        tried = sorted({0, *(i * (n - 1) // max(1, INITIAL_PLANS_TRIED - 1) for i in range(INITIAL_PLANS_TRIED))})
+        follow = [i for i, p in enumerate(sc.plans[op.id]) if "follow" in p]
+        tried = sorted({0, *(i * (n - 1) // max(1, INITIAL_PLANS_TRIED - 1) for i in range(INITIAL_PLANS_TRIED)),
+                        *follow})
+        if reg.get(op.type).follows == "elements":
+            tried = [p for p in follow if _term(sc, op, layout, p) is not None] or tried
         best = None
         for p in tried:
-            layout["ops"][str(op.id)]["plan"] = p
-            cost, _, consts = sc.estimator.term(op, layout)
+            t = _term(sc, op, layout, p)
+            if t is None:
+                continue
+            cost, _, consts = t
             over = any(load[t] + b > sc.estimator.cap for t, b in consts.items())
             if best is None or (over, cost) < best[:2]:
                 best = (over, cost, p, consts)
-        layout["ops"][str(op.id)]["plan"] = best[2]
+        choice = layout["ops"][str(op.id)]
+        choice["plan"] = best[2]
         load.update(best[3])
+        if "follow" in sc.plans[op.id][best[2]]:
+            choice["offset"] = sc.estimator.resolve(layout)[op.id][1]
+            continue
         # on a machine much larger than the operation, give it fresh tiles (spreading code and
         # data over the machine); otherwise start where its first producer starts
-        used = len({w.tile for st in sc.estimator.lowering(op, best[2]).stages for w in st})
+        used = len({w.tile for st in sc.estimator.lowering(op, layout).stages for w in st})
         if used * SPREAD_FACTOR <= sc.tile_count:
-            layout["ops"][str(op.id)]["offset"] = cursor
+            choice["offset"] = cursor
             cursor = (cursor + used) % sc.tile_count
         else:
             producer = next((sc.producer[v] for v in op.inputs if v in sc.producer), None)
             if producer is not None:
-                layout["ops"][str(op.id)]["offset"] = layout["ops"][str(producer.id)]["offset"]
+                choice["offset"] = sc.estimator.resolve(layout)[producer.id][1]
     return layout
+
+
+def _term(sc, op, layout, plan):
+    """The estimator's term of ``op`` on ``plan`` (the layout is left with that plan)."""
+    layout["ops"][str(op.id)]["plan"] = plan
+    return sc.estimator.term(op, layout)
 
 
 def screen(proposals, incumbent, sc, visited, shortlist_size):
@@ -498,7 +602,7 @@ def screen(proposals, incumbent, sc, visited, shortlist_size):
     seen, cheaper = set(), []
     for idx, ch in enumerate(proposals):
         layout = ch.apply(incumbent, sc.plans, sc.tile_count)
-        if layout is None or not sc.estimator.fits(layout):
+        if layout is None or not sc.estimator.fits(layout):   # fits: valid, and within the constant cap
             counts["invalid"] += 1
             continue
         d = canonical.digest_of(layout)

@@ -273,6 +273,8 @@ def check_table(table: dict, schema: dict[str, Field], where: str, section: str,
 
 
 _STORAGE_MODES = ("separate", "inplace")
+#: built-in operators a cast can be folded into (``casts.fuse`` chooses among them)
+CAST_FUSIBLE = ("attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows")
 
 CORE_SCHEMA: dict[str, dict[str, Field]] = {
     "target": {
@@ -288,6 +290,8 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
     "casts": {
         "policy": Field(str, "f143", doc="Registered FP8 cast policy."),
         "scaling": Field(str, "amax_pow2", choices=["amax_pow2", "none"], doc="How cast scales are chosen."),
+        "fuse": Field("list_str", list(CAST_FUSIBLE), choices=CAST_FUSIBLE,
+                      doc="Operators a cast may be folded into (the producer writes FP8 itself)."),
         "storage": Field(dict, {}, doc="Where cast results are stored.", schema={
             "default": Field(str, "separate", choices=_STORAGE_MODES, doc="Storage for all casts."),
             "operators": Field(dict, {}, choices=_STORAGE_MODES, doc="Per-operator overrides."),

@@ -284,7 +284,7 @@ class Finish:
         device_word = "PASS" if verdict["device_ok"] else "FAIL"
         sys.stdout.write(
             f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
-            f"lower_bound={cost['lower_bound']}\n"
+            f"lower_bound={cost['lower_bound']} peak_bound={cost.get('peak_bound')}\n"
             f"profile={entry['profile_file']} tiles={verdict['tiles']} samples={verdict['samples']}\n"
             f"float32MinimumCosineSimilarity={verdict['float32']['min_cosine']} "
             f"float32MaximumAbsoluteError={verdict['float32']['max_abs_error']}\n"

@@ -188,3 +188,12 @@ def test_set_search_workers(tmp_path):
     p.write_text("[target]\ntile_count = 4\n")
     bench.set_search_workers(p, 2)
     assert p.read_text().endswith("[search]\nworkers = 2\n")
+
+
+def test_bounds_from_the_closing_line():
+    b = bench.parse_bounds("final_cycles=53761 final_exchange=13096 lower_bound=42446 peak_bound=17650\n")
+    assert b["final_cycles"] == 53761 and b["lower_bound"] == 42446 and b["peak_bound"] == 17650
+    assert b["over_lower_bound"] == pytest.approx(53761 / 42446) and b["over_peak_bound"] == pytest.approx(53761 / 17650)
+    old = bench.parse_bounds(LOG)            # a log from before the peak bound was printed
+    assert (old["final_cycles"], old["lower_bound"], old["peak_bound"]) == (97871, 50897, None)
+    assert old["over_peak_bound"] is None

@@ -73,6 +73,29 @@ def test_exchange_copies_exactly_what_the_tables_say():
         assert np.array_equal(mems[t], want[t])
 
 
+def test_a_broadcast_copies_the_same_rows_to_every_destination():
+    rng = np.random.default_rng(1)
+    mems = {t: rng.integers(0, 256, 4096, dtype=np.uint8) for t in range(5)}
+    before = {t: m.copy() for t, m in mems.items()}
+    # tile 0 sends 3 rows of 24 bytes (stride 40) once, to tiles 1, 2 and 4 at their own
+    # addresses and strides; tile 3 sends a plain entry in the same phase
+    run_exchange(mems, [[0, 100, 40, 1, 1000, 24, 3, 24, 2, 3000, 32, 4, 10, 64],
+                        [3, 0, 16, 0, 2000, 16, 1, 16]])
+    want = {t: m.copy() for t, m in before.items()}
+    for dt, da, ds in [(1, 1000, 24), (2, 3000, 32), (4, 10, 64)]:
+        for r in range(3):
+            want[dt][da + r * ds:da + r * ds + 24] = before[0][100 + r * 40:100 + r * 40 + 24]
+    want[0][2000:2016] = before[3][0:16]
+    for t in mems:
+        assert np.array_equal(mems[t], want[t]), t
+
+
+def test_a_broadcast_out_of_range_is_an_error():
+    mems = {0: np.zeros(64, dtype=np.uint8), 1: np.zeros(64, dtype=np.uint8)}
+    with pytest.raises(UserError, match="tile 1 address 60 is out of range"):
+        run_exchange(mems, [[0, 0, 8, 1, 0, 8, 1, 8, 1, 60, 8]])
+
+
 def test_exchange_reads_before_it_writes():
     mems = {0: np.arange(64, dtype=np.uint8), 1: np.zeros(64, dtype=np.uint8)}
     # swap two halves of tile 0 in one phase

@@ -349,6 +349,79 @@ def test_reduce_invalid(kernels, tile):
     assert kernels.get("reduce")(tile, [0x4C000, 4, 0]) != 0
 
 
+# ---------------------------------------------------------------- casts folded into kernels
+# Each FP8_OUT / ROWS variant must write exactly the codes the kernel without it followed by
+# cast.c writes (the host reference computes the latter).
+
+def cast_after(kernels, tile, f32_addr, n, out_t, scale):
+    """The codes cast.c writes for ``n`` f32 values at ``f32_addr``."""
+    dst = tile.alloc(n)
+    assert kernels.get("cast", SRC_TYPE=F32, DST_TYPE=out_t)(tile, [f32_addr, dst, n, scale & 0xFFFFFFFF]) == 0
+    return tile.read(dst, np.uint8, (n,))
+
+
+@pytest.mark.parametrize("at,bt", [(F143, F143), (F143, F152), (F152, F143), (F152, F152)])
+@pytest.mark.parametrize("out_t", [F143, F152])
+@pytest.mark.parametrize("flags,with_bias", [(0, True), (1, False)])
+def test_matmul_with_folded_cast_is_bit_exact(kernels, tile, at, bt, out_t, flags, with_bias):
+    plain, fused = kernels.get("matmul", A_TYPE=at, B_TYPE=bt), kernels.get("matmul", A_TYPE=at, B_TYPE=bt, FP8_OUT=1)
+    r = rng(at * 10 + bt + out_t)
+    m, k, n, sa, sb, so = 5, 33, 7, 2, -3, -5
+    a = tile.put(store(r.standard_normal(m * k).astype(np.float32) * 4, at, sa))
+    b = tile.put(store(r.standard_normal(k * n).astype(np.float32) * 4, bt, sb))
+    bias = tile.put(r.standard_normal(n).astype(np.float32)) if with_bias else 0
+    c32, c8 = tile.alloc(4 * m * n), tile.alloc(m * n)
+    common = [m, k, n, flags, sa & 0xFFFFFFFF, sb & 0xFFFFFFFF, bias]
+    assert plain(tile, [a, b, c32, *common]) == 0
+    assert fused(tile, [a, b, c8, *common, out_t, so]) == 0
+    got = tile.read(c8, np.uint8, (m * n,))
+    np.testing.assert_array_equal(got, cast_after(kernels, tile, c32, m * n, out_t, so))
+    assert len(set(got.tolist())) > 10                      # a real spread of codes
+    assert fused(tile, [a, b, c8, m, k, n, 2, 0, 0, 0, out_t, so]) != 0       # no accumulate into FP8
+    assert fused(tile, [a, b, c8, *common, F32, so]) != 0                      # FP8 outputs only
+
+
+@pytest.mark.parametrize("out_t", [F143, F152])
+def test_layernorm_gelu_reduce_with_folded_cast_are_bit_exact(kernels, tile, out_t):
+    r = rng(out_t)
+    rows, cols, so = 3, 50, 3
+    x = tile.put((r.standard_normal((rows, cols)) * 3 + 1).astype(np.float32))
+    g, bt = tile.put(r.standard_normal(cols).astype(np.float32)), tile.put(r.standard_normal(cols).astype(np.float32))
+    y32, y8 = tile.alloc(4 * rows * cols), tile.alloc(rows * cols)
+    eps = kh.f32_bits(1e-6)
+    assert kernels.get("layernorm")(tile, [x, g, bt, y32, rows, cols, eps]) == 0
+    assert kernels.get("layernorm", FP8_OUT=1)(tile, [x, g, bt, y8, rows, cols, eps, out_t, so]) == 0
+    np.testing.assert_array_equal(tile.read(y8, np.uint8, (rows * cols,)),
+                                  cast_after(kernels, tile, y32, rows * cols, out_t, so))
+    n = rows * cols
+    assert kernels.get("gelu")(tile, [x, y32, n]) == 0
+    assert kernels.get("gelu", FP8_OUT=1)(tile, [x, y8, n, out_t, so]) == 0
+    np.testing.assert_array_equal(tile.read(y8, np.uint8, (n,)), cast_after(kernels, tile, y32, n, out_t, so))
+    parts = [tile.put(r.standard_normal(n).astype(np.float32)) for _ in range(3)]
+    assert kernels.get("reduce")(tile, [y32, n, 3, *parts]) == 0
+    assert kernels.get("reduce", FP8_OUT=1)(tile, [y8, n, 3, out_t, so, *parts]) == 0
+    np.testing.assert_array_equal(tile.read(y8, np.uint8, (n,)), cast_after(kernels, tile, y32, n, out_t, so))
+    for name, args in [("layernorm", [x, g, bt, y8, rows, cols, eps, F16, so]), ("gelu", [x, y8, n, F32, so]),
+                       ("reduce", [y8, n, 3, F32, so, *parts])]:
+        assert kernels.get(name, FP8_OUT=1)(tile, args) != 0, name
+
+
+@pytest.mark.parametrize("dst_t", [F143, F152])
+def test_cast_rows_is_cast_per_strided_row(kernels, tile, dst_t):
+    r = rng(dst_t)
+    rows, cols, src_stride, dst_stride, scale = 4, 12, 4 * 30, 17, -2
+    src = (r.standard_normal((rows, 30)) * 8).astype(np.float32)
+    sa = tile.put(src)
+    da = tile.alloc(rows * dst_stride)
+    before = tile.mem.copy()
+    k = kernels.get("cast", SRC_TYPE=F32, DST_TYPE=dst_t, ROWS=1)
+    assert k(tile, [sa, da, rows, cols, scale & 0xFFFFFFFF, src_stride, dst_stride]) == 0
+    expect = before.copy()
+    for row in range(rows):
+        expect[da + row * dst_stride:da + row * dst_stride + cols] = fp8.encode(src[row, :cols], FP8_NAME[dst_t], scale)
+    np.testing.assert_array_equal(tile.mem, expect)
+
+
 # ---------------------------------------------------------------- build properties
 
 def test_single_export_and_reproducible(kernels, tmp_path):

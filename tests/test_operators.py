@@ -477,3 +477,125 @@ def test_matmul_with_small_k_has_a_plan():
     g.outputs = [g.add("matmul", [a, w], name="small")]
     assert registry().get("matmul").plans(g, g.ops[0], 64)
     build_program(g, default_layout(g, 64), 64)
+
+
+# following a producer's blocks ---------------------------------------------------------------------
+def _chain(follower, *, shape=(13, 24), heads=None):
+    """x[13, 10] @ w[10, cols] (a matmul with many plans), then ``follower`` on its output."""
+    from ipubuild.planning.program import PlanResolver
+    g = ir.Graph()
+    x = g.input("x", (shape[0], 10))
+    y = g.add("matmul", [x, g.constant("w", (10, shape[1]))], name="mm")
+    z = follower(g, y)
+    g.outputs = [z]
+    return g, PlanResolver(g, 16)
+
+
+def _follow_choices(res, op):
+    return [i for i, p in enumerate(res.plans[op.id]) if "follow" in p]
+
+
+FOLLOWERS = {
+    "cast": lambda g, y: g.add("cast", [y], to="f143", scale_exp=2),
+    "gelu": lambda g, y: g.add("gelu", [y]),
+    "add": lambda g, y: g.add("add", [y, g.add("gelu", [y])]),
+    "add_bias": lambda g, y: g.add("add", [y, g.constant("b", (24,))]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FOLLOWERS))
+def test_an_elementwise_follower_takes_its_producers_blocks_under_every_plan(name):
+    g, res = _chain(FOLLOWERS[name])
+    mm, op = g.ops[0], g.ops[-1]
+    follow = _follow_choices(res, op)
+    assert follow, name
+    y = f"v{mm.outputs[0]}"
+    for p in range(len(res.plans[mm.id])):
+        prod = {(w.tile, b) for st in res.lowering(mm, (p,)).stages[-1:] for w in st for b in w.writes}
+        for f in follow:
+            if res.plans[op.id][f]["follow"] != op.inputs.index(mm.outputs[0]):
+                continue
+            low = res.lowering(op, (f, (p,)))
+            reads = {(w.tile, b) for w in low.stages[0] for b in w.reads if b[0] == y}
+            assert reads == prod, (name, res.plans[mm.id][p])          # every block read where it was written
+            out = g.values[op.outputs[0]]
+            count = np.zeros((out.rows, out.cols), int)
+            for w in low.stages[-1]:
+                for vk, r0, r1, c0, c1 in w.writes:
+                    count[r0:r1, c0:c1] += 1
+            assert np.all(count == 1), (name, res.plans[mm.id][p])
+
+
+def test_a_rowwise_follower_needs_whole_rows():
+    from ipubuild.planning.program import build_program
+    g, res = _chain(lambda g, y: g.add("layernorm", [y, g.constant("g", (24,)), g.constant("b", (24,))], eps=1e-6))
+    mm, ln = g.ops
+    (f,) = _follow_choices(res, ln)
+    whole = next(i for i, p in enumerate(res.plans[mm.id]) if p["n"] == 1 and p["k"] == 1 and p["m"] > 1)
+    split_cols = next(i for i, p in enumerate(res.plans[mm.id]) if p["n"] > 1)
+    low = res.lowering(ln, (f, (whole,)))
+    assert sorted(w.tile for w in low.stages[0]) == sorted(w.tile for w in res.lowering(mm, (whole,)).stages[0])
+    with pytest.raises(ValueError, match="whole rows"):
+        res.lowering(ln, (f, (split_cols,)))
+    layout = {"ops": {"0": {"plan": split_cols, "offset": 0}, "1": {"plan": f, "offset": 0}}}
+    with pytest.raises(UserError, match=r"^layout of operation layernorm_1: its plan cannot follow its producer: "
+                                        r"its producer splits columns and it needs whole rows$"):
+        build_program(g, layout, 16)
+
+
+def test_a_follower_exchanges_nothing_and_moves_with_its_producer():
+    from ipubuild.planning.program import build_program
+    g, res = _chain(lambda g, y: g.add("cast", [g.add("gelu", [y])], to="f143", scale_exp=0))
+    mm, gelu, cast = g.ops
+    for p in range(0, len(res.plans[mm.id]), 5):
+        layout = {"ops": {"0": {"plan": p, "offset": 3}, "1": {"plan": _follow_choices(res, gelu)[0], "offset": 0},
+                          "2": {"plan": _follow_choices(res, cast)[0], "offset": 9}}}
+        prog = build_program(g, layout, 16)
+        steps = {s["name"]: s for s in prog["steps"]}
+        assert not steps["gelu_1"]["transfers"] and not steps["cast_2"]["transfers"]
+        assert set(steps["gelu_1"]["vertices"]) == set(steps["cast_2"]["vertices"]) <= \
+            {str(t) for s in prog["steps"] if s["op"] == 0 for t in s["vertices"]}
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+def test_attention_follows_the_tiles_of_its_heads(heads):
+    """scores follow qkv: each head's rows on the tiles that computed its Q, K or V columns;
+    context follows the probabilities row for row (or qkv like scores)."""
+    from ipubuild.planning.program import PlanResolver
+    g = ir.Graph()
+    x = g.input("x", (10, 12))
+    qkv = g.add("matmul", [x, g.constant("w", (12, 18))], name="qkv")
+    scores = g.add("attention_scores", [qkv], heads=heads)
+    probs = g.add("softmax", [scores], scale=0.5)
+    ctx = g.add("attention_context", [probs, qkv], heads=heads)
+    g.outputs = [ctx]
+    res = PlanResolver(g, 16)
+    mm, sc, sm, cx = g.ops
+    d, dh = 6, 6 // heads
+    (fs,) = _follow_choices(res, sc)
+    fsm = _follow_choices(res, sm)[0]
+    for p in range(len(res.plans[mm.id])):
+        qkv_blocks = [(w.tile, *b[1:]) for w in res.lowering(mm, (p,)).stages[-1] for b in w.writes]
+        low = res.lowering(sc, (fs, (p,)))
+        count = np.zeros((heads * 10, 10), int)
+        for w in low.stages[0]:
+            (_, r0, r1, _, _), = w.writes
+            count[r0:r1] += 1
+            h = r0 // 10
+            cols = [(base + h * dh, base + (h + 1) * dh) for base in (0, d, 2 * d)]
+            assert any(t == w.tile and any(c0 < b and a < c1 for a, b in cols) for t, _, _, c0, c1 in qkv_blocks)
+        assert np.all(count == 1), res.plans[mm.id][p]
+        for f in _follow_choices(res, cx):
+            pos = res.plans[cx.id][f]["follow"]
+            choice = (f, (fsm, (fs, (p,)))) if pos == 0 else (f, (p,))
+            low = res.lowering(cx, choice)
+            out = np.zeros((10, d), int)
+            for w in low.stages[0]:
+                (_, r0, r1, c0, c1), = w.writes
+                out[r0:r1, c0:c1] += 1
+            assert np.all(out == 1)
+            if pos == 0:    # each probability row read on the tile that computed it
+                probs_blocks = {(w.tile, *b) for w in res.lowering(sm, (fsm, (fs, (p,)))).stages[0] for b in w.writes}
+                for w in low.stages[0]:
+                    vk, r0, r1, c0, c1 = w.reads[0]
+                    assert any(t == w.tile and b[1] <= r0 and r1 <= b[2] for t, *b in probs_blocks)

@@ -139,7 +139,7 @@ def test_round_trip(valid, tmp_path):
     head, blobs = pkg.tile_image(0)
     assert [s[0] for s in head["segments"]] == ["kernel", "program", "exchange", "data", "data"]
     assert codegen.decode_program(blobs["program"]) == (["x"], [(0, [(0, [DATA, 3, 7])])])
-    assert codegen.decode_exchange(blobs["exchange"]).tolist() == [[0, 0, DATA, 16, 0, DATA + 4096, 16, 1, 16]]
+    assert codegen.decode_exchange(blobs["exchange"]) == [[0, 0, DATA, 16, 0, DATA + 4096, 16, 1, 16]]
     assert np.frombuffer(blobs[f"data@{DATA}"], np.float32).tolist() == list(range(32))
     assert pkg.tile_image(1)[0]["segments"] == []
     f = tmp_path / "app.ipuexe"
@@ -194,11 +194,11 @@ def test_wrong_magic(valid):
     reject(bytes(data), r"wrong magic")
 
 
-@pytest.mark.parametrize("version", [0, 2, 0xFFFFFFFF])
+@pytest.mark.parametrize("version", [0, 1, 3, 0xFFFFFFFF])
 def test_unknown_version(valid, version):
     data = bytearray(valid[2])
     struct.pack_into("<I", data, 8, version)
-    reject(bytes(data), rf"unknown format version {version}; this reader knows 1")
+    reject(bytes(data), rf"unknown format version {version}; this reader knows 2")
 
 
 def test_manifest_outside_file(valid):
@@ -482,3 +482,37 @@ def test_inspect_through_doit(valid, tmp_path):
     errors = [line for line in out.splitlines() if "idle_image" in line]
     assert len(errors) == 1 and errors[0].startswith("error: ") and errors[0].endswith(
         "small.ipuexe: manifest is not valid: idle_image is missing"), out
+
+
+# exchange tables -----------------------------------------------------------------------------------
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(0, 2 ** 32 - 1), min_size=8, max_size=8),
+                          st.lists(st.lists(st.integers(0, 2 ** 32 - 1), min_size=3, max_size=3), max_size=4)),
+                max_size=20))
+def test_exchange_tables_round_trip_with_broadcasts(raw):
+    entries = [[step, *head, *[x for d in more for x in d]] for step, head, more in raw]
+    data = codegen.encode_exchange(entries)
+    assert codegen.decode_exchange(data) == entries
+    n_dest = sum(1 + len(more) for _, _, more in raw)
+    assert len(data) == codegen.exchange_bytes(len(entries), n_dest)
+
+
+@pytest.mark.parametrize("cut,message", [(4, "truncated"), (-4, "truncated"), (None, "version 1")])
+def test_a_malformed_exchange_table_is_refused(cut, message):
+    good = codegen.encode_exchange([[0, 0, DATA, 16, 1, DATA + 4096, 16, 1, 16, 2, DATA, 16]])
+    with pytest.raises(ValueError, match=message):
+        if cut is None:
+            codegen.decode_exchange(good[:4] + struct.pack("<I", 1) + good[8:])
+        else:
+            codegen.decode_exchange(good[:cut] if cut < 0 else good[:8] + struct.pack("<I", 2) + good[12:])
+
+
+def test_the_reader_refuses_a_package_whose_exchange_table_is_malformed():
+    prog = codegen.encode_program(["x"], [[0, [[0, [DATA, 3, 7]]]]])
+    bad = codegen.encode_exchange([[0, 0, DATA, 16, 1, DATA + 4096, 16, 1, 16]])[:-4]
+    code = {"program": prog, "exchange": bad,
+            "addresses": {"program": CODE + 4096, "exchange": CODE + 4096 + len(prog)}}
+    image = codegen.build_image(code, {}, [["x", CODE, 4096, canonical.digest(KERNEL)]])
+    manifest, members = make(image)
+    with pytest.raises(PackageError, match="the exchange table of .* does not decode"):
+        Package(write_package(manifest, members))

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from ipubuild import __version__, canonical
 from ipubuild.builtin.simulator import Simulator
 from ipubuild.errors import PackageError, UserError
-from ipubuild.package import HEADER, MAX_DEPTH, Package, summarize
+from ipubuild.package import FORMAT_VERSION, HEADER, MAX_DEPTH, Package, summarize
 from ipubuild.planning import codegen
 
 from kernel_harness import compile_kernel
@@ -124,7 +124,7 @@ def copy_package(kernel: bytes):
     program = canonical.dumps({"initialize": {"phases": 1}, "run": {"phases": 2}, "steps": ["copy", "send"],
                                "paired": [False, True], "inputs": inputs, "outputs": outputs})
     manifest = {
-        "format": 1, "compiler": __version__, "target": "copy", "tiles": 3, "used_tiles": 2,
+        "format": FORMAT_VERSION, "compiler": __version__, "target": "copy", "tiles": 3, "used_tiles": 2,
         "idle_image": di, "tile_images": [d0, d1, di],
         "machine": {**MACHINE, "tiles": 3, "sram_base": MEM["sram_base"], "sram_end": MEM["sram_end"],
                     "executable_end": MEM["executable_end"], "loader_limit": MEM["loader_limit"]},
@@ -266,7 +266,7 @@ def mutate_program(rnd, raw: bytes) -> bytes:
 
 
 def mutate_exchange(rnd, raw: bytes) -> bytes:
-    entries = codegen.decode_exchange(raw).tolist()
+    entries = codegen.decode_exchange(raw)
     op = rnd.choice(["json", "json", "json", "truncate", "count"])
     if op == "json":
         entries = mutate_json(rnd, entries, ints_only=True)

@@ -15,7 +15,7 @@ from ipubuild import frontend, ir, plugins, targets
 from ipubuild.errors import UserError
 from ipubuild.machine import load_machine
 from ipubuild.operators import registry
-from ipubuild.planning import exchange, phases, storage
+from ipubuild.planning import codegen, exchange, phases, storage
 from ipubuild.planning.cost import program_cost, step_compute
 from ipubuild.planning.program import build_program, default_layout, plans_of
 
@@ -185,14 +185,19 @@ def test_vit_allocation_respects_lifetimes(vit_program):
 
 # exchange ----------------------------------------------------------------------------------------
 @st.composite
-def transfers_st(draw, max_tiles=8):
+def transfers_st(draw, max_tiles=8, broadcast=False):
     n = draw(st.integers(1, 25))
     out = []
     for _ in range(n):
         rows = draw(st.integers(1, 6))
         rb = draw(st.integers(1, 300))
-        out.append([draw(st.integers(0, max_tiles - 1)), "s", 0, rb, draw(st.integers(0, max_tiles - 1)), "d", 0,
-                    rb, rows, rb])
+        t = [draw(st.integers(0, max_tiles - 1)), "s", 0, rb, draw(st.integers(0, max_tiles - 1)), "d", 0, rb, rows, rb]
+        if broadcast and t[0] != t[4]:
+            more = draw(st.lists(st.integers(0, max_tiles - 1), max_size=3, unique=True))
+            for d in more:
+                if d not in (t[0], t[4]):
+                    t.extend([d, "d", 0, rb])
+        out.append(t)
     return out
 
 
@@ -207,20 +212,34 @@ def _duration(t, paired):
 
 
 def _ports(t, paired):
-    if t[0] == t[4]:
+    if t[0] == t[4] and len(t) == 10:
         return [("local", t[0])]
+    dests = exchange.destination_tiles(t)
     if paired:
-        return [("send", t[0] // 2), ("recv", t[4] // 2)]
-    return [("send", t[0]), ("recv", t[4])]
+        return [("send", t[0] // 2)] + sorted({("recv", d // 2) for d in dests})
+    return [("send", t[0])] + [("recv", d) for d in dests]
+
+
+def _replay(transfers, order, paired):
+    free, end = defaultdict(int), 0
+    for i in order:
+        ports = _ports(transfers[i], paired)
+        start = max(free[p] for p in ports)
+        for p in ports:
+            free[p] = start + _duration(transfers[i], paired)
+        end = max(end, start + _duration(transfers[i], paired))
+    return end
 
 
 @FAST
-@given(transfers_st(), st.booleans())
+@given(transfers_st(broadcast=True), st.booleans())
 def test_schedule_respects_ports(transfers, paired):
     horizon, order = exchange.schedule(transfers, MACHINE, paired)
     assert sorted(order) == list(range(len(transfers)))
-    sizes = [transfers[i][8] * transfers[i][9] for i in order]
-    assert sizes == sorted(sizes, reverse=True)            # largest first
+    # never longer than starting the largest first; the same for any order of the transfers
+    largest = sorted(range(len(transfers)), key=lambda i: (-transfers[i][8] * transfers[i][9], transfers[i]))
+    assert horizon <= _replay(transfers, largest, paired)
+    assert exchange.schedule(transfers[::-1], MACHINE, paired)[0] == horizon
     # re-simulate: each transfer starts when all its ports are free
     free, busy = defaultdict(int), defaultdict(list)
     end = 0
@@ -242,7 +261,7 @@ def test_schedule_respects_ports(transfers, paired):
     bw = MACHINE["exchange"]["paired_bytes_per_cycle" if paired else "bytes_per_cycle"]
     per_port = defaultdict(int)
     for t in transfers:
-        if t[0] != t[4]:
+        if _ports(t, paired)[0][0] != "local":
             for p in _ports(t, paired):
                 per_port[p] += t[8] * t[9]
     if per_port:
@@ -256,15 +275,53 @@ def test_schedule_respects_ports(transfers, paired):
 def test_schedule_phase_prefers_ordinary_unless_paired_is_shorter(transfers):
     s = exchange.schedule_phase(transfers, MACHINE)
     merged = exchange.coalesce(transfers)
-    ordinary, _ = exchange.schedule(merged, MACHINE, paired=False)
-    paired, _ = exchange.schedule(merged, MACHINE, paired=True)
+    ordinary, _ = exchange.schedule(exchange.broadcasts(merged, False), MACHINE, paired=False)
+    paired, _ = exchange.schedule(exchange.broadcasts(merged, True), MACHINE, paired=True)
     assert (s["ordinary_horizon"], s["paired_horizon"]) == (ordinary, paired)
     assert s["use_paired"] == (paired < ordinary)
     if s["paired_horizon"] >= s["ordinary_horizon"]:
         assert not s["use_paired"]
     assert s["horizon"] == min(ordinary, paired)
     assert s["candidates"] == len(merged)
-    assert sorted(map(str, s["transfers"])) == sorted(map(str, merged))
+    chosen = exchange.broadcasts(merged, s["use_paired"])
+    assert sorted(map(str, s["transfers"])) == sorted(map(str, chosen))
+
+
+def _unicast(transfers):
+    """Broadcasts split back into one transfer per destination."""
+    out = []
+    for t in transfers:
+        dests = [t[4:8]] + [t[i:i + 4] for i in range(10, len(t), 4)]
+        out.extend(t[:4] + d + t[8:10] for d in dests)
+    return out
+
+
+@FAST
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 2), st.integers(1, 3), st.integers(1, 40)),
+                min_size=1, max_size=30), st.booleans())
+def test_broadcasts_group_same_source_rows_onto_distinct_ports(sends, paired):
+    transfers = [[src, "s", off * 64, 64, dst, f"d{i}", 0, 64, rows, 40] for i, (src, off, rows, dst) in
+                 enumerate((src, off, rows, dst % 8) for src, off, rows, dst in sends)]
+    grouped = exchange.broadcasts(transfers, paired)
+    assert sorted(map(str, _unicast(grouped))) == sorted(map(str, transfers))    # same bytes, same places
+    for t in grouped:
+        ports = [d // 2 if paired else d for d in exchange.destination_tiles(t)]
+        assert len(ports) == len(set(ports))
+        assert len(ports) == 1 or t[0] not in exchange.destination_tiles(t)
+    single = {(t[0], t[2], t[8]) for t in transfers if t[0] != t[4]}
+    assert len([t for t in grouped if t[0] != t[4]]) >= len(single)
+    assert exchange.broadcasts(transfers, paired) == grouped                       # deterministic
+
+
+def test_a_broadcast_costs_one_send():
+    one = [[0, "s", 0, 400, 1, "d", 0, 400, 1, 400]]
+    fan = [[0, "s", 0, 400, d, "d", 0, 400, 1, 400] for d in range(1, 9)]
+    single = exchange.schedule(one, MACHINE, paired=False)[0]
+    assert exchange.schedule(fan, MACHINE, paired=False)[0] == 8 * single       # one send port, eight sends
+    grouped = exchange.broadcasts(fan, paired=False)
+    assert len(grouped) == 1 and exchange.destination_tiles(grouped[0]) == list(range(1, 9))
+    assert exchange.schedule(grouped, MACHINE, paired=False)[0] == single
+    assert exchange.schedule_phase(fan, MACHINE)["horizon"] == single
 
 
 @st.composite
@@ -343,6 +400,10 @@ def _single_matmul(g, op):
     return sub
 
 
+def _pow2(n):
+    return n & (n - 1) == 0
+
+
 def test_more_tiles_never_slow_a_matmul_down(vit_graph):
     matmuls = [op for op in vit_graph.ops if op.type == "matmul"]
     assert len(matmuls) == 6
@@ -359,8 +420,9 @@ def test_more_tiles_never_slow_a_matmul_down(vit_graph):
         for p, cp in cost:
             for q, cq in cost:
                 tp, tq = p["m"] * p["n"] * p["k"], q["m"] * q["n"] * q["k"]
-                # same K split, more tiles: each tile's block is no larger
-                if q["k"] == p["k"] and tq > tp:
+                # same K split, more tiles on power-of-two grids (nested splits): each tile's
+                # block is no larger
+                if q["k"] == p["k"] and tq > tp and all(_pow2(x[d]) for x in (p, q) for d in "mn"):
                     assert sum(cq) <= sum(cp), (op.name, p, cp, q, cq)
                 # a plan that splits every dimension at least as much: the matmul stage is no slower
                 if q["m"] >= p["m"] and q["n"] >= p["n"] and q["k"] >= p["k"]:
@@ -409,3 +471,41 @@ def test_vit_plans_and_program_shape(vit_graph, vit_program):
         for _tile, _bid, r0, r1, c0, c1 in o["ranges"]:
             count[r0:r1, c0:c1] += 1
         assert np.all(count == 1)
+
+
+def test_peak_bound_is_the_graphs_work_at_peak_rate(vit_graph, vit_program):
+    from ipubuild.planning.cost import peak_bound
+    g = ir.Graph()
+    a = g.input("a", (100, 64))
+    y = g.add("matmul", [a, g.constant("w", (64, 30))])
+    g.outputs = [g.add("gelu", [y])]
+    prog = build_program(g, default_layout(g, 16), 16)
+    c = MACHINE["compute"]
+    work = 100 * 64 * 30 / c["amp_macs_per_cycle"]["f32"] + 100 * 30 / c["vector_flops_per_cycle"]
+    assert peak_bound(prog, MACHINE) == int(np.ceil(work / 16)) + MACHINE["exchange"]["sync_cycles"]
+    # whatever the layout, the program-independent bound stays put and below the program's
+    cost = program_cost(vit_program, [0] * len(vit_program["steps"]), MACHINE)
+    other = build_program(vit_graph, {"ops": {str(op.id): {"plan": min(1, len(plans_of(vit_graph, 64)[op.id]) - 1),
+                                                           "offset": 5} for op in vit_graph.ops}}, 64)
+    assert peak_bound(other, MACHINE) == cost["peak_bound"] <= cost["lower_bound"]
+
+
+def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
+    from ipubuild.search import SearchContext, heuristics, initial_layout
+    layout = initial_layout(SearchContext(vit_graph, 64, MACHINE), heuristics())
+    program = build_program(vit_graph, layout, 64)
+    none = {k: 0 for k in registry().kernels}
+    bound = phases.provisional_code_bytes(program, none)
+    entries = defaultdict(list)
+    for s, step in enumerate(program["steps"]):
+        if step["transfers"]:
+            for t in exchange.schedule_phase(step["transfers"], MACHINE)["transfers"]:
+                entries[str(t[0])].append([s, t[0], 0, t[3], t[4], 0, t[7], t[8], t[9],
+                                           *[x for d in zip(t[10::4], t[12::4], t[13::4]) for x in (d[0], 0, d[2])]])
+    broadcast = 0
+    for tile in program["buffers"]:
+        table = len(codegen.encode_exchange(entries.get(tile, [])))
+        code = table + phases._program_size(program, tile, phases.kernels_per_tile(program).get(tile, []))
+        assert bound[tile] >= code, tile
+        broadcast += any(len(e) > 9 for e in entries.get(tile, []))
+    assert broadcast       # the bound is met with broadcasts in the tables

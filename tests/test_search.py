@@ -106,3 +106,55 @@ def test_corrupt_search_state_is_reported_and_ignored(tmp_path):
     assert p.returncode == 0, out[-2000:]
     assert "ignored a search state that does not verify" in out
     assert "numericalTest=PASS" in out
+
+
+def _vit_context():
+    target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    model = build_model(get_plugin_manager(), target)
+    return SearchContext(model.graph, 64, load_machine("ipu21"))
+
+
+def test_estimator_delta_is_the_change_of_the_estimate():
+    import random
+    sc = _vit_context()
+    est = sc.estimator
+    layout = initial_layout(sc, heuristics())
+    resolved, base = est.resolve(layout), est.estimate(layout)
+    rnd = random.Random(0)
+    invalid = 0
+    for _ in range(80):
+        op = rnd.choice(sc.graph.ops)
+        plan = rnd.randrange(len(sc.plans[op.id]))
+        changed = {"ops": dict(layout["ops"], **{str(op.id): dict(layout["ops"][str(op.id)], plan=plan)})}
+        d, e = est.delta(layout, resolved, {op.id: plan}), est.estimate(changed)
+        assert (d is None) == (e is None), (op.name, sc.plans[op.id][plan])
+        if d is None:
+            invalid += 1
+        else:
+            assert base + d == e, (op.name, sc.plans[op.id][plan])
+    assert est.estimate(layout) == base
+
+
+def test_descent_proposes_ever_cheaper_prefixes_of_one_path():
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    (descend,) = [h for h in heuristics() if h.name == "descend"]
+    proposals = descend.propose(layout, sc)
+    assert len(proposals) >= 2
+    estimates = []
+    for i, ch in enumerate(proposals):
+        assert i == 0 or set(dict(proposals[i - 1].plans)) <= set(dict(ch.plans))    # one more step on one path
+        changed = ch.apply(layout, sc.plans, sc.tile_count)
+        assert sc.estimator.fits(changed)
+        estimates.append(sc.estimator.estimate(changed))
+    assert all(a > b for a, b in zip(estimates, estimates[1:])) and estimates[0] < sc.estimator.estimate(layout)
+    assert len({ch.plans for ch in proposals}) == len(proposals)
+
+
+def test_initial_layout_lets_elementwise_operations_follow_their_producers():
+    from ipubuild.operators import registry
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    for op in sc.graph.ops:
+        if registry().get(op.type).follows == "elements" and any("follow" in p for p in sc.plans[op.id]):
+            assert "follow" in sc.plans[op.id][layout["ops"][str(op.id)]["plan"]], op.name

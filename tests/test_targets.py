@@ -67,6 +67,7 @@ def test_real_target_loads(monkeypatch):
     }
     assert t["casts"] == {
         "policy": "f143", "scaling": "amax_pow2",
+        "fuse": ["attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows"],
         "storage": {"default": "separate", "operators": {}, "sites": {}},
     }
     assert t["numerics"] == {"min_cosine": 0.99, "max_abs_error": 0.25, "blas_threads": 1}
@@ -243,6 +244,9 @@ MALFORMED = [
      "numerics.blas_threads", "expected an integer from 1 to 256, got 0", None),
     ("scaling-bad", "bad.toml", _good_with("casts", 'scaling = "max"'),
      "casts.scaling", "expected one of 'amax_pow2', 'none', got 'max'", None),
+    ("fuse-unknown", "bad.toml", _good_with("casts", 'fuse = ["softmax"]'),
+     "casts.fuse[0]", "expected one of 'attention_context', 'gelu', 'layernorm', 'matmul', 'patchify', "
+     "'slice_rows', got 'softmax'", None),
     ("storage-default-bad", "bad.toml", GOOD + '[casts.storage]\ndefault = "inplace2"\n',
      "casts.storage.default", "expected one of 'separate', 'inplace', got 'inplace2'", None),
     ("storage-unknown-key", "bad.toml", GOOD + '[casts.storage]\nmode = "inplace"\n',

@@ -18,7 +18,11 @@ FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context":
 
 @pytest.fixture(scope="module")
 def target():
-    return targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    """vit_fp8 with every cast a separate operation (``casts.fuse = []``): the tests of cast
+    placement check those; the tests of folded casts (below) take the target as it is."""
+    t = targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    t["casts"]["fuse"] = []
+    return t
 
 
 def build(target, mod=None):
@@ -239,3 +243,36 @@ def test_compare_basics():
     bad["a"][0, 0] = np.nan
     cos, err = reference.compare(bad, x)
     assert np.isnan(cos) and err == float("inf")
+
+
+# casts folded into their producers -----------------------------------------------------------------
+def _fuse(*ops):
+    def mod(t):
+        t["casts"]["fuse"] = list(ops)
+    return mod
+
+
+def test_casts_fold_into_producers_bit_exact(target, model):
+    fused = build(target, _fuse("attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows"))
+    g, u = fused.graph, model.graph
+    folded = {o.name: o for o in g.ops if "to" in o.attrs and o.type != "cast"}
+    assert sorted(folded) == ["block0.context", "block0.gelu", "block0.ln1", "block0.ln2", "block0.qkv",
+                              "cls_slice", "patchify"]
+    assert [o.name for o in g.ops if o.type == "cast"] == ["cast_block0.softmax"]   # softmax cannot fold one
+    assert len(g.ops) == len(u.ops) - 7
+    unfused_casts = {u.values[o.inputs[0]].name: u.values[o.outputs[0]] for o in u.ops if o.type == "cast"}
+    for name, op in folded.items():
+        v = g.values[op.outputs[0]]
+        assert (v.dtype, v.scale_exp) == ("f143", unfused_casts[name].scale_exp) == (op.attrs["to"], op.attrs["scale_exp"])
+    # the reference of the fused graph is the unfused one's, bit for bit, on every value both have
+    a = by_name(g, reference.evaluate(g, fused.constants, fused.inputs, keep_all=True))
+    b = by_name(u, reference.evaluate(u, model.constants, model.inputs, keep_all=True))
+    for name, arr in a.items():
+        other = b[unfused_casts[name].name] if name in folded else b[name]
+        np.testing.assert_array_equal(arr, other, err_msg=name)
+
+
+def test_the_policy_folds_only_into_the_operators_it_lists(target):
+    g = build(target, _fuse("matmul")).graph
+    assert sorted(o.name for o in g.ops if "to" in o.attrs and o.type != "cast") == ["block0.qkv"]
+    assert len([o for o in g.ops if o.type == "cast"]) == 7

@@ -1,5 +1,8 @@
 """The built-in FP8 cast policies: matmul operands in F143 (default) or F152, each tensor with a
-power-of-two scale chosen from its absolute maximum on the target's example input."""
+power-of-two scale chosen from its absolute maximum on the target's example input. Where the
+producer of an activation can write FP8 itself (and every reader wants it in FP8), the cast is
+folded into the producer's kernel — no separate step, no sync — for the operator types the
+target's ``casts.fuse`` lists (by default every one that can)."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,14 +10,29 @@ import numpy as np
 from .. import fp8, hookimpl
 from ..ir import CastStoragePolicy, Graph, Op
 from ..operators import registry
+from ..targets import CAST_FUSIBLE
 
 #: operators whose listed inputs are cast to FP8 (by input position)
 FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context": (0, 1)}
 
 
+def _fold(graph: Graph, producer: Op | None, vid: int, fmt: str, fuse) -> bool:
+    """Whether the cast of ``vid`` to ``fmt`` can be folded into its producer: the policy
+    allows it for the producer's operator, the operator can write ``fmt``, and every reader of
+    ``vid`` wants it in FP8 (none needs the f32 value, and it is not a graph output)."""
+    if producer is None or producer.type not in fuse or vid in graph.outputs or producer.outputs != [vid]:
+        return False
+    if not registry().get(producer.type).fuses_cast(graph, producer, fmt):
+        return False
+    readers = [(op, i) for op in graph.ops for i, v in enumerate(op.inputs) if v == vid]
+    return all(i in FP8_OPERANDS.get(op.type, ()) for op, i in readers)
+
+
 def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: str) -> CastStoragePolicy:
-    """Cast every FP8 operand: constants are stored in FP8 directly, activations get a cast op
-    right after their producer. Scales come from calibration on the example inputs."""
+    """Cast every FP8 operand: constants are stored in FP8 directly; an activation's producer
+    writes FP8 itself where the cast can be folded into it (see ``_fold``), else the
+    activation gets a cast op right after its producer. Scales come from calibration on the
+    example inputs."""
     from ..frontend import float_values
     calibrated = float_values(graph, constants, inputs)
 
@@ -24,6 +42,7 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
         return fp8.scale_exp_for(float(np.nanmax(np.abs(calibrated[vid]))), fmt)
 
     casts: dict[int, int] = {}
+    fuse = set(params.get("fuse", CAST_FUSIBLE))
     producer_index = {v: i for i, op in enumerate(graph.ops) for v in op.outputs}
     for op in list(graph.ops):
         for pos in FP8_OPERANDS.get(op.type, ()):
@@ -36,6 +55,12 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
                 constants[vid] = fp8.encode(constants[vid], fmt, s)
                 v.dtype, v.scale_exp = fmt, s
                 continue
+            producer = graph.ops[producer_index[vid]] if vid in producer_index else None
+            if vid not in casts and _fold(graph, producer, vid, fmt, fuse):
+                s = scale(vid)
+                producer.attrs.update(to=fmt, scale_exp=s)
+                v.dtype, v.scale_exp = fmt, s
+                casts[vid] = vid
             if vid not in casts:
                 s = scale(vid)
                 out = graph.value(f"{v.name}.{fmt}", v.shape, fmt, s)

@@ -1,9 +1,17 @@
-"""The built-in layout-search heuristics: re-plan one operation, align a chain of row-wise
-operations on one plan, and move an operation's tiles onto its producer's."""
+"""The built-in layout-search heuristics: re-plan one operation, let operations take their
+producers' blocks, align a chain of row-wise operations on one plan, move an operation's tiles
+onto its producer's, and descend: re-plan several coupled operations together along the
+estimator's steepest path."""
 from __future__ import annotations
 
 from .. import hookimpl
 from ..search import Changes, Heuristic
+
+#: how many single re-plans one descent chains at most
+DESCENT_STEPS = 24
+#: how many changes one descent may estimate in all (vit_fp8's takes about 8000; on a large
+#: machine each estimate is slow, and the costliest operations are tried first)
+DESCENT_BUDGET = 20000
 
 
 def replan(layout, sc):
@@ -12,24 +20,39 @@ def replan(layout, sc):
             if p != layout["ops"][str(op.id)]["plan"]]
 
 
+def take_producer_blocks(layout, sc):
+    """Each operation that can follow its producer's blocks (a cast, an activation, a residual
+    add, ...) and does not: follow them, so that input needs no exchange."""
+    out = []
+    for op in sc.graph.ops:
+        current = layout["ops"][str(op.id)]["plan"]
+        out += [Changes(plans=((op.id, i),)) for i, p in enumerate(sc.plans[op.id])
+                if "follow" in p and i != current]
+    return out
+
+
+def _rows_only(plans) -> bool:
+    own = [p for p in plans if "follow" not in p]
+    return bool(own) and all("rows" in p and len(p) == 1 for p in own)
+
+
 def align_chains(layout, sc):
     """Runs of consecutive operations that all split rows: move the whole run to one row count
     (and the producer's offset), so data stays on its tile between them."""
     out, run = [], []
     ops = sc.graph.ops
     for op in ops + [None]:
-        ok = op is not None and all("rows" in p and len(p) == 1 for p in sc.plans[op.id]) \
+        ok = op is not None and _rows_only(sc.plans[op.id]) \
             and (not run or any(v in ops[run[-1]].outputs for v in op.inputs))
         if ok:
             run.append(op.id)
             continue
         if len(run) > 1:
-            counts = sorted({p["rows"] for i in run for p in sc.plans[i]}, reverse=True)
+            counts = sorted({p["rows"] for i in run for p in sc.plans[i] if "rows" in p}, reverse=True)
             for c in counts:
-                plans = tuple((i, [p["rows"] for p in sc.plans[i]].index(c)) for i in run
-                              if c in [p["rows"] for p in sc.plans[i]])
+                plans = tuple((i, j) for i in run for j, p in enumerate(sc.plans[i]) if p == {"rows": c})
                 out.append(Changes(plans=plans, boundaries=tuple((i, 0) for i, _ in plans)))
-        run = [op.id] if op is not None and all("rows" in p and len(p) == 1 for p in sc.plans[op.id]) else []
+        run = [op.id] if op is not None and _rows_only(sc.plans[op.id]) else []
     return out
 
 
@@ -47,7 +70,65 @@ def follow_producer(layout, sc):
     return out
 
 
+def descend(layout, sc):
+    """Coupled changes: from the incumbent, take the change the estimator finds best (and
+    within the constant cap) — one operation re-planned, alone or with the operations that read
+    its blocks then following them — then the best from there, and so on while the estimate
+    improves (at most DESCENT_STEPS, within DESCENT_BUDGET estimates); propose every prefix of
+    that path as one change. A plan whose gain shows only once the operations it feeds change
+    too is reached this way, which single re-plans screened one at a time cannot reach."""
+    est = sc.estimator
+    current = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
+    chosen: dict[int, int] = {}
+    out = []
+    budget = DESCENT_BUDGET
+    for _ in range(DESCENT_STEPS):
+        res = est.resolve(current)
+        costliest = sorted(sc.graph.ops, key=lambda op: (-(est.term(op, current, res) or (0,))[0], op.id))
+        moves = []
+        for op in costliest:
+            mine = current["ops"][str(op.id)]["plan"]
+            readers = _readers_that_could_follow(current, sc, op.id)
+            for p in range(len(sc.plans[op.id])):
+                if p == mine:
+                    continue
+                # alone, and with the readers of its blocks following them
+                for change in ({op.id: p}, {op.id: p, **readers}):
+                    if budget > 0 and (len(change) == 1 or readers):
+                        budget -= 1
+                        d = est.delta(current, res, change)
+                        if d is not None and d < 0:
+                            moves.append((d, tuple(sorted(change.items()))))
+        for d, change in sorted(moves):
+            trial = {"ops": dict(current["ops"], **{str(i): dict(current["ops"][str(i)], plan=p) for i, p in change})}
+            if est.fits(trial):
+                current = trial
+                chosen.update(change)
+                out.append(Changes(plans=tuple(sorted(chosen.items()))))
+                break
+        else:
+            break
+    return out
+
+
+def _readers_that_could_follow(layout, sc, op_id) -> dict[int, int]:
+    """``{reader: its follow plan}`` for each operation that reads ``op_id``'s blocks (its
+    output, or its followers') without following them but could."""
+    chain = {op_id} | sc.estimator.followers(layout, op_id)
+    values = {v: i for i in chain for v in sc.graph.ops[i].outputs}
+    out = {}
+    for op in sc.graph.ops[op_id + 1:]:
+        if op.id in chain:
+            continue
+        for j, p in enumerate(sc.plans[op.id]):
+            if "follow" in p and op.inputs[p["follow"]] in values and j != layout["ops"][str(op.id)]["plan"]:
+                out[op.id] = j
+                break
+    return out
+
+
 @hookimpl
 def ipubuild_search_heuristics():
-    return [Heuristic("replan", replan), Heuristic("align_chains", align_chains),
-            Heuristic("follow_producer", follow_producer)]
+    return [Heuristic("replan", replan), Heuristic("take_producer_blocks", take_producer_blocks),
+            Heuristic("align_chains", align_chains), Heuristic("follow_producer", follow_producer),
+            Heuristic("descend", descend)]

@@ -43,6 +43,22 @@ def copy_cycles(args, machine):
     return c["vertex_overhead_cycles"] + args[2] + ceil_div(args[2] * args[3], c["copy_bytes_per_cycle"])
 
 
+def fused_cast_cycles(base, count):
+    """A kernel with a cast to FP8 folded in: its own cycles plus the cast's work on each of
+    its ``count(args)`` output elements (2 vector flops, as cast.c's estimator), without the
+    cast's vertex overhead."""
+    def cycles(args, machine):
+        return base(args, machine) + ceil_div(count(args) * 2, _c(machine)["vector_flops_per_cycle"])
+    return cycles
+
+
+def cast_rows_cycles(args, machine):
+    """cast.c -DROWS, a copy of rows with a cast folded in: a cycle per row (as copy.c's
+    estimator) and the cast's 2 vector flops an element."""
+    c = _c(machine)
+    return c["vertex_overhead_cycles"] + args[2] + ceil_div(args[2] * args[3] * 2, c["vector_flops_per_cycle"])
+
+
 def _variant(name, source, cycles, **defines):
     return KernelVariant(name, KERNELS / source, tuple(sorted(defines.items())), cycles)
 
@@ -51,6 +67,33 @@ MATMUL_TYPES = [("f143", "f143"), ("f143", "f152"), ("f152", "f143"), ("f152", "
                 ("f16", "f16"), ("f32", "f32")]
 CAST_TYPES = [("f32", "f143"), ("f32", "f152"), ("f143", "f32"), ("f152", "f32"), ("f32", "f16"),
               ("f16", "f32")]
+
+
+TYPE_NUM = {"f32": 0, "f16": 1, "f143": 2, "f152": 3}    # ipu_kernel.h's type codes
+
+
+def _folded(op) -> str | None:
+    """The dtype of a cast folded into the operation (attribute ``to``), if any."""
+    return op.attrs.get("to")
+
+
+def _out_type(op, dtype: str, scale_exp: int) -> tuple[str, int]:
+    """The output (dtype, scale_exp): a folded cast's, else the operation's own."""
+    if _folded(op) is None:
+        return dtype, scale_exp
+    if op.attrs["to"] not in FP8:
+        raise ValueError(f"a cast folded into {op.type} must be to {' or '.join(FP8)}, not {op.attrs['to']}")
+    return op.attrs["to"], op.attrs.get("scale_exp", 0)
+
+
+def _encode_out(op, out):
+    """The reference of a folded cast: the f32 result encoded as the device encodes it."""
+    return out if _folded(op) is None else fp8.encode(out, op.attrs["to"], op.attrs.get("scale_exp", 0))
+
+
+def _epilogue(op) -> list:
+    """The vertex arguments of a folded cast: ``[out_type, out_scale_exp]``."""
+    return [TYPE_NUM[op.attrs["to"]], op.attrs.get("scale_exp", 0) & 0xFFFFFFFF] if _folded(op) else []
 
 
 MIN_ROWS = 8  # the default plan gives each tile at least this many rows (finer ones fragment)
@@ -68,18 +111,37 @@ def _rows_plans(rows: int, tile_count: int, min_rows: int = MIN_ROWS) -> list[di
 
 
 def _rows_work(rows: int, plan: dict, fn) -> list[TileWork]:
+    """``fn(tile, r0, r1)`` per row range of a ``rows`` plan, or per block of a ``blocks`` plan
+    (whole rows: ``follow`` checked that)."""
+    if "blocks" in plan:
+        return [fn(t, r0, r1) for t, r0, r1, _, _ in plan["blocks"]]
     return [fn(t, r0, r1) for t, (r0, r1) in enumerate(split(rows, plan["rows"]))]
+
+
+def _block_work(value, plan: dict, fn) -> list[TileWork]:
+    """``fn(tile, r0, r1, c0, c1)`` per block: whole-row blocks of a ``rows`` plan, or the
+    blocks of a ``blocks`` plan."""
+    if "blocks" in plan:
+        return [fn(*b) for b in plan["blocks"]]
+    return [fn(t, r0, r1, 0, value.cols) for t, (r0, r1) in enumerate(split(value.rows, plan["rows"]))]
 
 
 # operators -------------------------------------------------------------------------------------
 class RowwiseOperator(Operator):
-    """An operator whose tiles each take a range of output rows."""
+    """An operator whose tiles each take a range of output rows (or follow its producer)."""
+    follows = "rows"
 
     def plans(self, graph, op, tile_count):
-        return _rows_plans(graph.values[op.outputs[0]].rows, tile_count)
+        return _rows_plans(graph.values[op.outputs[0]].rows, tile_count) + self.follow_plans(graph, op)
 
 
-class Cast(RowwiseOperator):
+class ElementwiseOperator(RowwiseOperator):
+    """An operator whose output elements each need only the same element of its inputs: it
+    takes row ranges, or any blocks its producer wrote."""
+    follows = "elements"
+
+
+class Cast(ElementwiseOperator):
     name = "cast"
 
     def infer(self, graph, op):
@@ -103,11 +165,11 @@ class Cast(RowwiseOperator):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
         scale = y.scale_exp if y.dtype in FP8 else x.scale_exp if x.dtype in FP8 else 0
 
-        def work(t, r0, r1):
-            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
+        def work(t, r0, r1, c0, c1):
+            return TileWork(t, [(key(x.id), r0, r1, c0, c1)], [(key(y.id), r0, r1, c0, c1)],
                             [(f"cast_{x.dtype}_{y.dtype}", [("r", 0, 0), ("w", 0, 0),
-                                                             (r1 - r0) * x.cols, scale & 0xFFFFFFFF])])
-        return Lowering([_rows_work(x.rows, plan, work)])
+                                                             (r1 - r0) * (c1 - c0), scale & 0xFFFFFFFF])])
+        return Lowering([_block_work(x, plan, work)])
 
     def variants(self, graph, op):
         return [f"cast_{graph.values[op.inputs[0]].dtype}_{op.attrs['to']}"]
@@ -117,7 +179,7 @@ class Cast(RowwiseOperator):
                          SRC_TYPE=TYPE_CODE[s], DST_TYPE=TYPE_CODE[d]) for s, d in CAST_TYPES]
 
 
-class Add(RowwiseOperator):
+class Add(ElementwiseOperator):
     name = "add"
 
     def infer(self, graph, op):
@@ -138,13 +200,13 @@ class Add(RowwiseOperator):
         c = graph.values[op.outputs[0]]
         bcast = b.rows == 1 and a.rows != 1
 
-        def work(t, r0, r1):
+        def work(t, r0, r1, c0, c1):
             brows = (0, 1) if bcast else (r0, r1)
-            return TileWork(t, [(key(a.id), r0, r1, 0, a.cols), (key(b.id), *brows, 0, b.cols)],
-                            [(key(c.id), r0, r1, 0, c.cols)],
-                            [("add_f32", [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, a.cols,
+            return TileWork(t, [(key(a.id), r0, r1, c0, c1), (key(b.id), *brows, c0, c1)],
+                            [(key(c.id), r0, r1, c0, c1)],
+                            [("add_f32", [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, c1 - c0,
                                           1 if bcast else r1 - r0])])
-        return Lowering([_rows_work(a.rows, plan, work)])
+        return Lowering([_block_work(c, plan, work)])
 
     def kernels(self):
         return [_variant("add_f32", "add.c", elementwise_cycles(lambda a: a[3] * a[4], 1))]
@@ -158,13 +220,16 @@ class LayerNorm(RowwiseOperator):
         if x.dtype != "f32" or g.shape != (x.cols,) or b.shape != (x.cols,):
             raise ValueError(f"layernorm needs f32 x and gamma/beta of shape [{x.cols}], got "
                              f"{list(g.shape)} and {list(b.shape)}")
-        return [(x.shape, "f32", 0)]
+        return [(x.shape, *_out_type(op, "f32", 0))]
+
+    def fuses_cast(self, graph, op, dtype):
+        return dtype in FP8
 
     def reference(self, graph, op, inputs):
         x, g, b = inputs
         mean = x.mean(axis=-1, keepdims=True, dtype=np.float32)
         var = ((x - mean) ** 2).mean(axis=-1, keepdims=True, dtype=np.float32)
-        return [((x - mean) / np.sqrt(var + np.float32(op.attrs["eps"])) * g + b).astype(np.float32)]
+        return [_encode_out(op, ((x - mean) / np.sqrt(var + np.float32(op.attrs["eps"])) * g + b).astype(np.float32))]
 
     def lower(self, graph, op, plan):
         x, g, b = (graph.values[i] for i in op.inputs)
@@ -173,13 +238,16 @@ class LayerNorm(RowwiseOperator):
         def work(t, r0, r1):
             return TileWork(t, [(key(x.id), r0, r1, 0, x.cols), (key(g.id), 0, 1, 0, x.cols),
                                 (key(b.id), 0, 1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
-                            [("layernorm_f32", [("r", 0, 0), ("r", 1, 0), ("r", 2, 0), ("w", 0, 0),
-                                                r1 - r0, x.cols, f32_bits(op.attrs["eps"])])])
+                            [("layernorm_f32" + ("_fp8" if _folded(op) else ""),
+                              [("r", 0, 0), ("r", 1, 0), ("r", 2, 0), ("w", 0, 0), r1 - r0, x.cols,
+                               f32_bits(op.attrs["eps"]), *_epilogue(op)])])
         return Lowering([_rows_work(x.rows, plan, work)])
 
     def kernels(self):
-        return [_variant("layernorm_f32", "layernorm.c",
-                         elementwise_cycles(lambda a: a[4] * a[5], 5, 0))]
+        base = elementwise_cycles(lambda a: a[4] * a[5], 5, 0)
+        return [_variant("layernorm_f32", "layernorm.c", base),
+                _variant("layernorm_f32_fp8", "layernorm.c", fused_cast_cycles(base, lambda a: a[4] * a[5]),
+                         FP8_OUT=1)]
 
 
 class Softmax(RowwiseOperator):
@@ -209,31 +277,37 @@ class Softmax(RowwiseOperator):
         return [_variant("softmax_f32", "softmax.c", elementwise_cycles(lambda a: a[2] * a[3], 4, 1))]
 
 
-class Gelu(RowwiseOperator):
+class Gelu(ElementwiseOperator):
     name = "gelu"
 
     def infer(self, graph, op):
         x = graph.values[op.inputs[0]]
         if x.dtype != "f32":
             raise ValueError(f"gelu takes f32, got {x.dtype}")
-        return [(x.shape, "f32", 0)]
+        return [(x.shape, *_out_type(op, "f32", 0))]
+
+    def fuses_cast(self, graph, op, dtype):
+        return dtype in FP8
 
     def reference(self, graph, op, inputs):
         x = inputs[0]
         c = np.float32(0.7978845608)
-        return [(np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x))))
-                .astype(np.float32)]
+        return [_encode_out(op, (np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x))))
+                            .astype(np.float32))]
 
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
 
-        def work(t, r0, r1):
-            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
-                            [("gelu_f32", [("r", 0, 0), ("w", 0, 0), (r1 - r0) * x.cols])])
-        return Lowering([_rows_work(x.rows, plan, work)])
+        def work(t, r0, r1, c0, c1):
+            return TileWork(t, [(key(x.id), r0, r1, c0, c1)], [(key(y.id), r0, r1, c0, c1)],
+                            [("gelu_f32" + ("_fp8" if _folded(op) else ""),
+                              [("r", 0, 0), ("w", 0, 0), (r1 - r0) * (c1 - c0), *_epilogue(op)])])
+        return Lowering([_block_work(x, plan, work)])
 
     def kernels(self):
-        return [_variant("gelu_f32", "gelu.c", elementwise_cycles(lambda a: a[2], 6, 1))]
+        base = elementwise_cycles(lambda a: a[2], 6, 1)
+        return [_variant("gelu_f32", "gelu.c", base),
+                _variant("gelu_f32_fp8", "gelu.c", fused_cast_cycles(base, lambda a: a[2]), FP8_OUT=1)]
 
 
 class Patchify(Operator):
@@ -247,7 +321,12 @@ class Patchify(Operator):
         if h % p or wc % (p * c):
             raise ValueError(f"image of shape {list(x.shape)} does not divide into {p}x{p} patches "
                              f"of {c} channels")
-        return [(((h // p) * (wc // (p * c)), p * p * c), x.dtype, x.scale_exp)]
+        if _folded(op) and x.dtype != "f32":
+            raise ValueError(f"a cast folded into patchify needs an f32 image, got {x.dtype}")
+        return [(((h // p) * (wc // (p * c)), p * p * c), *_out_type(op, x.dtype, x.scale_exp))]
+
+    def fuses_cast(self, graph, op, dtype):
+        return dtype in FP8 and graph.values[op.inputs[0]].dtype == "f32"
 
     def reference(self, graph, op, inputs):
         x = inputs[0]
@@ -255,35 +334,64 @@ class Patchify(Operator):
         h, wc = x.shape
         w = wc // c
         img = x.reshape(h // p, p, w // p, p, c)
-        return [np.ascontiguousarray(img.transpose(0, 2, 1, 3, 4).reshape((h // p) * (w // p), p * p * c))]
+        return [_encode_out(op, np.ascontiguousarray(img.transpose(0, 2, 1, 3, 4).reshape((h // p) * (w // p), p * p * c)))]
 
     def plans(self, graph, op, tile_count):
-        x = graph.values[op.inputs[0]]
-        return _rows_plans(x.rows // op.attrs["patch"], tile_count, min_rows=1)  # a patch row is 16 rows
+        # whole rows of patches (a patch row is ``patch`` image rows), then runs of patches
+        x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+        rows = _rows_plans(x.rows // op.attrs["patch"], tile_count, min_rows=1)
+        counts = sorted({min(y.rows, tile_count), *_pow2(min(y.rows, tile_count))}, reverse=True)
+        return rows + [{"patches": c} for c in counts if c > rows[0]["rows"]]
 
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
         p, c = op.attrs["patch"], op.attrs["channels"]
-        wc = x.cols
-        npw = wc // (p * c)
-        size = x.itemsize
-        work = []
-        for t, (a, b) in enumerate(split(x.rows // p, plan["rows"])):
-            verts = [("copy", [("r", 0, (pr * p * wc + pj * p * c) * size),
-                               ("w", 0, (pr * npw + pj) * p * p * c * size),
-                               p, p * c * size, wc * size, p * c * size])
-                     for pr in range(b - a) for pj in range(npw)]
-            work.append(TileWork(t, [(key(x.id), a * p, b * p, 0, wc)],
-                                 [(key(y.id), a * npw, b * npw, 0, y.cols)], verts))
-        return Lowering([work])
+        npw = x.cols // (p * c)
+        if "patches" in plan:
+            ranges = split(y.rows, plan["patches"])
+        else:
+            ranges = [(a * npw, b * npw) for a, b in split(x.rows // p, plan["rows"])]
+        return Lowering([[self._work(op, t, a, b, x, y, p, c, npw) for t, (a, b) in enumerate(ranges)]])
+
+    @staticmethod
+    def _work(op, t, a, b, x, y, p, c, npw) -> TileWork:
+        """Patches ``a..b`` (row-major over the image): one image block per patch row they
+        touch (or one for whole patch rows), one copy vertex per patch — a copy with the cast
+        folded in when the output is FP8."""
+        size, pc, wc, osize = x.itemsize, p * c, x.cols, y.itemsize
+
+        def vertex(r, src_off, src_stride, patch):
+            dst = ("w", 0, (patch - a) * p * pc * osize)
+            if _folded(op):
+                return (f"cast_rows_f32_{y.dtype}", [("r", r, src_off), dst, p, pc, y.scale_exp & 0xFFFFFFFF,
+                                                     src_stride, pc * osize])
+            return ("copy", [("r", r, src_off), dst, p, pc * size, src_stride, pc * size])
+
+        if a % npw == 0 and b % npw == 0:       # whole patch rows: one image block
+            verts = [vertex(0, ((pr - a // npw) * p * wc + pj * pc) * size, wc * size, pr * npw + pj)
+                     for pr in range(a // npw, b // npw) for pj in range(npw)]
+            return TileWork(t, [(key(x.id), a // npw * p, b // npw * p, 0, wc)], [(key(y.id), a, b, 0, y.cols)], verts)
+        reads, verts = [], []
+        for pr in range(a // npw, (b - 1) // npw + 1):
+            j0, j1 = max(a, pr * npw) - pr * npw, min(b, (pr + 1) * npw) - pr * npw
+            reads.append((key(x.id), pr * p, pr * p + p, j0 * pc, j1 * pc))
+            verts += [vertex(len(reads) - 1, (pj - j0) * pc * size, (j1 - j0) * pc * size, pr * npw + pj)
+                      for pj in range(j0, j1)]
+        return TileWork(t, reads, [(key(y.id), a, b, 0, y.cols)], verts)
 
     def kernels(self):
-        return [_variant("copy", "copy.c", copy_cycles)]
+        return [_variant("copy", "copy.c", copy_cycles), *_cast_rows_variants()]
+
+
+def _cast_rows_variants():
+    return [_variant(f"cast_rows_f32_{d}", "cast.c", cast_rows_cycles, SRC_TYPE=TYPE_CODE["f32"],
+                     DST_TYPE=TYPE_CODE[d], ROWS=1) for d in FP8]
 
 
 class ConcatRows(RowwiseOperator):
     """``[a; b]``: the rows of ``a`` then the rows of ``b`` (e.g. the class token, then patches)."""
     name = "concat_rows"
+    follows = None
 
     def infer(self, graph, op):
         a, b = (graph.values[i] for i in op.inputs)
@@ -320,29 +428,39 @@ class ConcatRows(RowwiseOperator):
 
 class SliceRows(RowwiseOperator):
     name = "slice_rows"
+    follows = None
 
     def infer(self, graph, op):
         x = graph.values[op.inputs[0]]
         s, e = op.attrs["start"], op.attrs["end"]
         if not 0 <= s < e <= x.rows:
             raise ValueError(f"rows {s}:{e} are outside {x.name} with {x.rows} rows")
-        return [((e - s, x.cols), x.dtype, x.scale_exp)]
+        if _folded(op) and x.dtype != "f32":
+            raise ValueError(f"a cast folded into slice_rows needs f32 rows, got {x.dtype}")
+        return [((e - s, x.cols), *_out_type(op, x.dtype, x.scale_exp))]
+
+    def fuses_cast(self, graph, op, dtype):
+        return dtype in FP8 and graph.values[op.inputs[0]].dtype == "f32"
 
     def reference(self, graph, op, inputs):
         x = inputs[0]
-        return [np.ascontiguousarray(x.reshape(-1, x.shape[-1])[op.attrs["start"]:op.attrs["end"]])]
+        return [_encode_out(op, np.ascontiguousarray(x.reshape(-1, x.shape[-1])[op.attrs["start"]:op.attrs["end"]]))]
 
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
         s, rb = op.attrs["start"], x.cols * x.itemsize
 
         def work(t, r0, r1):
-            return TileWork(t, [(key(x.id), s + r0, s + r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
-                            [("copy", [("r", 0, 0), ("w", 0, 0), r1 - r0, rb, rb, rb])])
+            if _folded(op):
+                vertex = (f"cast_rows_f32_{y.dtype}", [("r", 0, 0), ("w", 0, 0), r1 - r0, x.cols,
+                                                        y.scale_exp & 0xFFFFFFFF, rb, y.cols * y.itemsize])
+            else:
+                vertex = ("copy", [("r", 0, 0), ("w", 0, 0), r1 - r0, rb, rb, rb])
+            return TileWork(t, [(key(x.id), s + r0, s + r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)], [vertex])
         return Lowering([_rows_work(y.rows, plan, work)])
 
     def kernels(self):
-        return [_variant("copy", "copy.c", copy_cycles)]
+        return [_variant("copy", "copy.c", copy_cycles), *_cast_rows_variants()]
 
 
 def _decode(x, v):
@@ -367,22 +485,35 @@ class MatMul(Operator):
             raise ValueError(f"no matmul for {a.dtype} x {b.dtype}; supported: {MATMUL_TYPES}")
         if len(op.inputs) == 3 and graph.values[op.inputs[2]].shape != (b.shape[1],):
             raise ValueError(f"bias must have shape [{b.shape[1]}]")
-        return [((a.shape[0], b.shape[1]), "f32", 0)]
+        if _folded(op) and not self.fuses_cast(graph, op, op.attrs["to"]):
+            raise ValueError(f"a cast folded into a matmul needs FP8 operands, got {a.dtype} x {b.dtype}")
+        return [((a.shape[0], b.shape[1]), *_out_type(op, "f32", 0))]
+
+    def fuses_cast(self, graph, op, dtype):
+        return dtype in FP8 and all(graph.values[v].dtype in FP8 for v in op.inputs[:2])
 
     def reference(self, graph, op, inputs):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         out = _matmul_reference(inputs[0], a, inputs[1], b)
         if len(inputs) == 3:
             out = (out + inputs[2]).astype(np.float32)
-        return [out]
+        return [_encode_out(op, out)]
 
     def plans(self, graph, op, tile_count):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
         out = []
         for k in (1, 2, 4, 8):
-            for m in _pow2(min(m_, tile_count)):
-                for n in _pow2(min(n_, tile_count)):
+            # powers of two; with k = 1 also column counts that divide N evenly (head-aligned
+            # blocks, e.g. 3 or 9 for a fused QKV), and row counts that fill the tiles
+            ns = _pow2(min(n_, tile_count))
+            if k == 1:
+                ns += [d for d in range(3, 17) if d & (d - 1) and n_ % d == 0 and d <= tile_count]
+            for n in ns:
+                ms = _pow2(min(m_, tile_count))
+                if k == 1:
+                    ms = sorted({*ms, min(m_, tile_count // n)} - {0})
+                for m in ms:
                     if m * n * k <= tile_count and (k == 1 or k <= k_ // 16):
                         out.append({"m": m, "n": n, "k": k})
         # default first: blocks of at least 8 rows and 32 columns (smaller ones fragment the
@@ -392,6 +523,10 @@ class MatMul(Operator):
                                 abs(math.log2(max(1, m_ // p["m"]) / max(1, n_ // p["n"])))))
         return out
 
+    def macs(self, graph, op):
+        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        return a.shape[0] * a.shape[1] * b.shape[1]
+
     def lower(self, graph, op, plan):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         bias = graph.values[op.inputs[2]] if len(op.inputs) == 3 else None
@@ -399,6 +534,7 @@ class MatMul(Operator):
         m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
         rows, cols, ks = split(m_, plan["m"]), split(n_, plan["n"]), split(k_, plan["k"])
         kname = f"matmul_{a.dtype}_{b.dtype}"
+        epilogue = _epilogue(op)
         temp = f"t{op.id}.0"
         stage1, stage2 = [], []
         for i, (r0, r1) in enumerate(rows):
@@ -410,16 +546,17 @@ class MatMul(Operator):
                     if bias is not None and l == 0:
                         reads.append((key(bias.id), 0, 1, c0, c1))
                         bias_arg = ("r", 2, 0)
-                    out = ((key(y.id), r0, r1, c0, c1) if len(ks) == 1
-                           else (temp, l * m_ + r0, l * m_ + r1, c0, c1))
-                    stage1.append(TileWork(t, reads, [out], [(kname, [
+                    direct = len(ks) == 1      # else partial sums, reduced in stage 2
+                    out = (key(y.id), r0, r1, c0, c1) if direct else (temp, l * m_ + r0, l * m_ + r1, c0, c1)
+                    stage1.append(TileWork(t, reads, [out], [(kname + ("_fp8" if direct and epilogue else ""), [
                         ("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, k1 - k0, c1 - c0, 0,
-                        a.scale_exp & 0xFFFFFFFF, b.scale_exp & 0xFFFFFFFF, bias_arg])]))
+                        a.scale_exp & 0xFFFFFFFF, b.scale_exp & 0xFFFFFFFF, bias_arg, *(epilogue if direct else [])])]))
                 if len(ks) > 1:
                     t = (i * len(cols) + j) * len(ks)
                     reads = [(temp, l * m_ + r0, l * m_ + r1, c0, c1) for l in range(len(ks))]
-                    stage2.append(TileWork(t, reads, [(key(y.id), r0, r1, c0, c1)], [("reduce_f32", [
-                        ("w", 0, 0), (r1 - r0) * (c1 - c0), len(ks)]
+                    stage2.append(TileWork(t, reads, [(key(y.id), r0, r1, c0, c1)], [(
+                        "reduce_f32" + ("_fp8" if epilogue else ""),
+                        [("w", 0, 0), (r1 - r0) * (c1 - c0), len(ks), *epilogue]
                         + [("r", l, 0) for l in range(len(ks))])]))
         if not stage2:
             return Lowering([stage1])
@@ -427,13 +564,24 @@ class MatMul(Operator):
 
     def variants(self, graph, op):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
-        return [f"matmul_{a.dtype}_{b.dtype}", "reduce_f32"]
+        base = [f"matmul_{a.dtype}_{b.dtype}", "reduce_f32"]
+        return base + [f"{k}_fp8" for k in base] if _folded(op) else base
 
     def kernels(self):
         out = [_variant(f"matmul_{x}_{w}", "matmul.c", matmul_cycles(x), A_TYPE=TYPE_CODE[x],
                         B_TYPE=TYPE_CODE[w]) for x, w in MATMUL_TYPES]
-        out.append(_variant("reduce_f32", "reduce.c", elementwise_cycles(lambda a: a[1] * (a[2] - 1), 1)))
+        out += _matmul_fp8_variants()
+        reduce = elementwise_cycles(lambda a: a[1] * (a[2] - 1), 1)
+        out.append(_variant("reduce_f32", "reduce.c", reduce))
+        out.append(_variant("reduce_f32_fp8", "reduce.c", fused_cast_cycles(reduce, lambda a: a[1]), FP8_OUT=1))
         return out
+
+
+def _matmul_fp8_variants():
+    """Products of FP8 operands with the cast of their result folded in (``FP8_OUT``)."""
+    return [_variant(f"matmul_{x}_{w}_fp8", "matmul.c", fused_cast_cycles(matmul_cycles(x), lambda a: a[3] * a[5]),
+                     A_TYPE=TYPE_CODE[x], B_TYPE=TYPE_CODE[w], FP8_OUT=1)
+            for x, w in MATMUL_TYPES if x in FP8 and w in FP8]
 
 
 def _pow2(n):
@@ -449,6 +597,34 @@ def _head_plans(rows: int, heads: int, tile_count: int) -> list[dict]:
     take several heads (``tiles`` is how many tiles the plan uses)."""
     return [{"rows": p["rows"], "tiles": min(heads * p["rows"], tile_count)}
             for p in _rows_plans(rows, max(1, tile_count // heads))]
+
+
+def _head_items(plan: dict, s: int, h: int) -> list[tuple]:
+    """The ``(tile, head, r0, r1)`` work items of an attention plan: explicit (``work``), each
+    head's rows over its own tiles (``head_tiles``), or each head's rows over ``rows``
+    consecutive tiles, wrapping at ``tiles``."""
+    if "work" in plan:
+        return [tuple(w) for w in plan["work"]]
+    if "head_tiles" in plan:
+        return [(tiles[i], hh, r0, r1) for hh, tiles in enumerate(plan["head_tiles"])
+                for i, (r0, r1) in enumerate(split(s, len(tiles)))]
+    return [((hh * plan["rows"] + i) % plan["tiles"], hh, r0, r1)
+            for hh in range(h) for i, (r0, r1) in enumerate(split(s, plan["rows"]))]
+
+
+def _heads_on_qkv(blocks: list, d: int, h: int, dh: int) -> dict:
+    """Each head's rows over the tiles that hold any of its Q, K or V columns of ``qkv``, in the
+    order of the rows they hold (so a tile's rows are mostly its own Q rows)."""
+    out = []
+    for hh in range(h):
+        spans = [(base + hh * dh, base + (hh + 1) * dh) for base in (0, d, 2 * d)]
+        found = sorted((r0, c0, t) for t, r0, r1, c0, c1 in blocks if any(c0 < b and a < c1 for a, b in spans))
+        out.append(list(dict.fromkeys(t for _, _, t in found)))
+    return {"head_tiles": out}
+
+
+def _produced(graph, vid) -> bool:
+    return vid not in graph.constants and vid not in graph.inputs
 
 
 class AttentionScores(Operator):
@@ -477,21 +653,30 @@ class AttentionScores(Operator):
 
     def plans(self, graph, op, tile_count):
         qkv, s, d, h, dh = self._dims(graph, op)
-        return _head_plans(s, h, tile_count)
+        return _head_plans(s, h, tile_count) + self.follow_plans(graph, op)
+
+    def follow_plans(self, graph, op):
+        """Following ``qkv``: each head's rows on the tiles that computed its Q, K, V blocks."""
+        return [{"follow": 0}] if _produced(graph, op.inputs[0]) else []
+
+    def follow(self, graph, op, position, blocks):
+        qkv, s, d, h, dh = self._dims(graph, op)
+        return _heads_on_qkv(blocks, d, h, dh)
+
+    def macs(self, graph, op):
+        qkv, s, d, h, dh = self._dims(graph, op)
+        return h * s * s * dh
 
     def lower(self, graph, op, plan):
         qkv, s, d, h, dh = self._dims(graph, op)
         y = graph.values[op.outputs[0]]
         sc = qkv.scale_exp & 0xFFFFFFFF
-        work = []
-        for hh in range(h):
-            for i, (r0, r1) in enumerate(split(s, plan["rows"])):
-                work.append(TileWork((hh * plan["rows"] + i) % plan["tiles"],
-                                     [(key(qkv.id), r0, r1, hh * dh, (hh + 1) * dh),
-                                      (key(qkv.id), 0, s, d + hh * dh, d + (hh + 1) * dh)],
-                                     [(key(y.id), hh * s + r0, hh * s + r1, 0, s)],
-                                     [(f"matmul_{qkv.dtype}_{qkv.dtype}",
-                                       [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, dh, s, 1, sc, sc, 0])]))
+        work = [TileWork(t, [(key(qkv.id), r0, r1, hh * dh, (hh + 1) * dh),
+                             (key(qkv.id), 0, s, d + hh * dh, d + (hh + 1) * dh)],
+                         [(key(y.id), hh * s + r0, hh * s + r1, 0, s)],
+                         [(f"matmul_{qkv.dtype}_{qkv.dtype}",
+                           [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, dh, s, 1, sc, sc, 0])])
+                for t, hh, r0, r1 in _head_items(plan, s, h)]
         return Lowering([work])
 
     def variants(self, graph, op):
@@ -513,7 +698,12 @@ class AttentionContext(Operator):
             raise ValueError(f"probabilities must be [{h}, {s}, {s}], got {list(p.shape)}")
         if (p.dtype, qkv.dtype) not in MATMUL_TYPES:
             raise ValueError(f"no matmul for {p.dtype} x {qkv.dtype}")
-        return [((s, d), "f32", 0)]
+        if _folded(op) and not self.fuses_cast(graph, op, op.attrs["to"]):
+            raise ValueError(f"a cast folded into attention_context needs FP8 operands, got {p.dtype} x {qkv.dtype}")
+        return [((s, d), *_out_type(op, "f32", 0))]
+
+    def fuses_cast(self, graph, op, dtype):
+        return dtype in FP8 and all(graph.values[v].dtype in FP8 for v in op.inputs)
 
     def reference(self, graph, op, inputs):
         pv, qkv = (graph.values[i] for i in op.inputs)
@@ -521,12 +711,36 @@ class AttentionContext(Operator):
         h = op.attrs["heads"]
         d = qkv.shape[1] // 3
         dh = d // h
-        return [np.concatenate([_matmul_reference(p[i], pv, x[:, 2 * d + i * dh:2 * d + (i + 1) * dh], qkv)
-                                for i in range(h)], axis=1)]
+        return [_encode_out(op, np.concatenate([_matmul_reference(p[i], pv, x[:, 2 * d + i * dh:2 * d + (i + 1) * dh], qkv)
+                                                for i in range(h)], axis=1))]
 
     def plans(self, graph, op, tile_count):
         s = graph.values[op.inputs[1]].shape[0]
-        return _head_plans(s, op.attrs["heads"], tile_count)
+        return _head_plans(s, op.attrs["heads"], tile_count) + self.follow_plans(graph, op)
+
+    def follow_plans(self, graph, op):
+        """Following the probabilities (each row where it was computed), or ``qkv`` (each
+        head's rows on the tiles that computed its Q, K, V blocks)."""
+        return [{"follow": i} for i in (0, 1) if _produced(graph, op.inputs[i])]
+
+    def follow(self, graph, op, position, blocks):
+        qkv = graph.values[op.inputs[1]]
+        h = op.attrs["heads"]
+        s, d = qkv.shape[0], qkv.shape[1] // 3
+        if position == 1:
+            return _heads_on_qkv(blocks, d, h, d // h)
+        work = []
+        for t, r0, r1, c0, c1 in blocks:
+            if (c0, c1) != (0, s):
+                raise ValueError("its producer splits the columns of the probabilities and it needs whole rows")
+            for hh in range(r0 // s, (r1 - 1) // s + 1):
+                work.append([t, hh, max(r0, hh * s) - hh * s, min(r1, (hh + 1) * s) - hh * s])
+        return {"work": work}
+
+    def macs(self, graph, op):
+        qkv = graph.values[op.inputs[1]]
+        s, d = qkv.shape[0], qkv.shape[1] // 3
+        return s * s * d
 
     def lower(self, graph, op, plan):
         pv, qkv = (graph.values[i] for i in op.inputs)
@@ -534,21 +748,18 @@ class AttentionContext(Operator):
         h = op.attrs["heads"]
         s, d = qkv.shape[0], qkv.shape[1] // 3
         dh = d // h
-        work = []
-        for hh in range(h):
-            for i, (r0, r1) in enumerate(split(s, plan["rows"])):
-                work.append(TileWork((hh * plan["rows"] + i) % plan["tiles"],
-                                     [(key(pv.id), hh * s + r0, hh * s + r1, 0, s),
-                                      (key(qkv.id), 0, s, 2 * d + hh * dh, 2 * d + (hh + 1) * dh)],
-                                     [(key(y.id), r0, r1, hh * dh, (hh + 1) * dh)],
-                                     [(f"matmul_{pv.dtype}_{qkv.dtype}",
-                                       [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, s, dh, 0,
-                                        pv.scale_exp & 0xFFFFFFFF, qkv.scale_exp & 0xFFFFFFFF, 0])]))
+        work = [TileWork(t, [(key(pv.id), hh * s + r0, hh * s + r1, 0, s),
+                             (key(qkv.id), 0, s, 2 * d + hh * dh, 2 * d + (hh + 1) * dh)],
+                         [(key(y.id), r0, r1, hh * dh, (hh + 1) * dh)],
+                         [(f"matmul_{pv.dtype}_{qkv.dtype}" + ("_fp8" if _folded(op) else ""),
+                           [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, s, dh, 0,
+                            pv.scale_exp & 0xFFFFFFFF, qkv.scale_exp & 0xFFFFFFFF, 0, *_epilogue(op)])])
+                for t, hh, r0, r1 in _head_items(plan, s, h)]
         return Lowering([work])
 
     def variants(self, graph, op):
         pv, qkv = (graph.values[i] for i in op.inputs)
-        return [f"matmul_{pv.dtype}_{qkv.dtype}"]
+        return [f"matmul_{pv.dtype}_{qkv.dtype}" + ("_fp8" if _folded(op) else "")]
 
 
 @hookimpl

@@ -64,7 +64,10 @@ class Simulator:
             kn, steps = codegen.decode_program(_read(mem, names["@program"]))
             programs[tile] = {s: [(names[kn[k]], kn[k], np.asarray(a, dtype=np.uint32)) for k, a in verts]
                               for s, verts in steps}
-            tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
+            try:
+                tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
+            except ValueError as exc:
+                raise UserError("package", f"tile {tile}: {exc}: rebuild the package with this ipubuild") from None
         log.info("application loaded and initial synchronization completed", tile_count=m["tiles"],
                  elapsed_ms=int((time.perf_counter() - t0) * 1000))
         host = pkg.manifest["host"]
@@ -74,10 +77,10 @@ class Simulator:
             for off, size, tile, addr in b["ranges"]:
                 mems[tile][addr:addr + size] = raw[off:off + size]
         log.info("invoking host exchange call", call='"run"', phases=host["run"]["phases"])
-        entries = np.concatenate(tables) if tables else np.zeros((0, 9), np.uint32)
         by_step = {}
-        for e in entries[np.lexsort((np.arange(len(entries)), entries[:, 0]))]:
-            by_step.setdefault(int(e[0]), []).append(e[1:])
+        for table in tables:
+            for e in table:
+                by_step.setdefault(e[0], []).append(e[1:])
         host_program = canonical.loads(pkg.member("host/program.json"))
         reg = registry()
         steps, total, ok = [], 0, True
@@ -85,8 +88,7 @@ class Simulator:
         for s in range(host["run"]["phases"]):
             step_entries = by_step.get(s, [])
             run_exchange(mems, step_entries)
-            horizon = exchange.horizon_of([[int(x) for x in e] for e in step_entries], machine,
-                                          host_program["paired"][s]) if step_entries else 0
+            horizon = exchange.horizon_of(step_entries, machine, host_program["paired"][s]) if step_entries else 0
             compute = {}
             for tile, prog in programs.items():
                 verts = prog.get(s)
@@ -135,16 +137,20 @@ class Simulator:
 
 def run_exchange(mems: dict, entries) -> None:
     """Perform one exchange phase: each entry ``[src_tile, src_addr, src_stride, dst_tile,
-    dst_addr, dst_stride, rows, row_bytes]`` copies ``rows`` rows of ``row_bytes`` bytes. All
-    reads happen before any write (the exchange is a phase, not a sequence of copies)."""
+    dst_addr, dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]`` copies ``rows``
+    rows of ``row_bytes`` bytes to each of its destinations (one, or several for a broadcast).
+    All reads happen before any write (the exchange is a phase, not a sequence of copies)."""
     staged = []
-    for st, sa, ss, dt, da, ds, rows, rb in entries:
-        for tile, addr, stride in ((st, sa, ss), (dt, da, ds)):
-            if int(tile) not in mems or int(addr) + (int(rows) - 1) * int(stride) + int(rb) > len(mems[int(tile)]):
-                raise UserError("package", f"exchange entry to or from tile {int(tile)} address {int(addr)} "
+    for e in entries:
+        st, sa, ss, rows, rb = (int(e[i]) for i in (0, 1, 2, 6, 7))
+        dests = [(int(e[3]), int(e[4]), int(e[5]))] + [(int(d), int(a), int(s)) for d, a, s in
+                                                       zip(e[8::3], e[9::3], e[10::3])]
+        for tile, addr, stride in ((st, sa, ss), *dests):
+            if tile not in mems or addr + (rows - 1) * stride + rb > len(mems[tile]):
+                raise UserError("package", f"exchange entry to or from tile {tile} address {addr} "
                                 "is out of range: the package is corrupt")
-        src = np.lib.stride_tricks.as_strided(mems[int(st)][int(sa):], (int(rows), int(rb)), (int(ss), 1))
-        staged.append((int(dt), int(da), int(ds), int(rows), int(rb), src.copy()))
+        src = np.lib.stride_tricks.as_strided(mems[st][sa:], (rows, rb), (ss, 1)).copy()
+        staged.extend((dt, da, ds, rows, rb, src) for dt, da, ds in dests)
     for dt, da, ds, rows, rb, data in staged:
         np.lib.stride_tricks.as_strided(mems[dt][da:], (rows, rb), (ds, 1))[...] = data
 

@@ -5,6 +5,10 @@
  *   to fp8:   dst = saturating_cast(src * 2^scale_exp)  (NaN -> 0x80)
  *   from fp8: dst = decode(src) * 2^-scale_exp
  *   f16 <-> f32 conversions ignore the scale (round to nearest even).
+ *
+ * With -DROWS (a cast folded into a copy of rows, e.g. patchify):
+ * args = [src, dst, rows, cols, scale_exp, src_stride, dst_stride]: row r converts cols
+ * elements from src + r*src_stride to dst + r*dst_stride (strides in bytes), each as above.
  */
 #include "ipu_kernel.h"
 
@@ -15,13 +19,8 @@
 #error "cast.c: unknown SRC_TYPE/DST_TYPE"
 #endif
 
-IPU_VERTEX
+static void convert(const uint8_t *src, uint8_t *dst, uint32_t n, int32_t scale)
 {
-    const uint8_t *src = mem + args[0];
-    uint8_t *dst = mem + args[1];
-    const uint32_t n = args[2];
-    const int32_t scale = (int32_t)args[3];
-
     for (uint32_t i = 0; i < n; i++) {
         float v;
         if (IPU_IS_FP8(SRC_TYPE))
@@ -36,5 +35,19 @@ IPU_VERTEX
         else
             dst[i] = ipu_fp8_encode(v, DST_TYPE, scale);
     }
+}
+
+IPU_VERTEX
+{
+    const uint8_t *src = mem + args[0];
+    uint8_t *dst = mem + args[1];
+#ifdef ROWS
+    const uint32_t rows = args[2], cols = args[3];
+    const int32_t scale = (int32_t)args[4];
+    for (uint32_t r = 0; r < rows; r++)
+        convert(src + r * args[5], dst + r * args[6], cols, scale);
+#else
+    convert(src, dst, args[2], (int32_t)args[3]);
+#endif
     return 0;
 }

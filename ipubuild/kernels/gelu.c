@@ -2,6 +2,10 @@
  *
  * args = [x, y, n]
  *   y = 0.5*x*(1 + tanhf(0.7978845608f*(x + 0.044715f*x*x*x))); y may alias x.
+ *
+ * With -DFP8_OUT (a cast folded into the activation): args = [x, y, n, out_type,
+ * out_scale_exp] and y is FP8 of out_type: y = encode(gelu, out_type, out_scale_exp),
+ * bit-exact with the f32 result followed by cast.c; another out_type returns 1.
  */
 #include "ipu_kernel.h"
 
@@ -10,11 +14,21 @@ IPU_VERTEX
     const uint8_t *x = mem + args[0];
     uint8_t *y = mem + args[1];
     const uint32_t n = args[2];
+#ifdef FP8_OUT
+    const int out_type = (int)args[3];
+    const int32_t out_scale = (int32_t)args[4];
+    if (!IPU_IS_FP8(out_type))
+        return 1;
+#endif
 
     for (uint32_t i = 0; i < n; i++) {
         float v = ipu_ld_f32(x + 4u * i);
         float g = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+#ifdef FP8_OUT
+        y[i] = ipu_fp8_encode(g, out_type, out_scale);
+#else
         ipu_st_f32(y + 4u * i, g);
+#endif
     }
     return 0;
 }

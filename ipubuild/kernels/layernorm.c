@@ -4,6 +4,10 @@
  *   per row: mean, population variance (two-pass),
  *   y = (x - mean) / sqrtf(var + eps) * gamma[j] + beta[j].
  * y may alias x.  Returns 1 if cols == 0.
+ *
+ * With -DFP8_OUT (a cast folded into the normalisation): args gain [.., out_type,
+ * out_scale_exp] and y is FP8 of out_type: y = encode(value, out_type, out_scale_exp),
+ * bit-exact with the f32 result followed by cast.c; another out_type returns 1.
  */
 #include "ipu_kernel.h"
 
@@ -16,9 +20,19 @@ IPU_VERTEX
 
     if (cols == 0)
         return 1;
+#ifdef FP8_OUT
+    const int out_type = (int)args[7];
+    const int32_t out_scale = (int32_t)args[8];
+    if (!IPU_IS_FP8(out_type))
+        return 1;
+#endif
     for (uint32_t r = 0; r < rows; r++) {
         const uint8_t *xr = x + 4u * (r * cols);
+#ifdef FP8_OUT
+        uint8_t *yr = y + r * cols;
+#else
         uint8_t *yr = y + 4u * (r * cols);
+#endif
         float sum = 0.0f;
         for (uint32_t j = 0; j < cols; j++)
             sum += ipu_ld_f32(xr + 4u * j);
@@ -31,7 +45,12 @@ IPU_VERTEX
         const float denom = sqrtf(sq / (float)cols + eps);
         for (uint32_t j = 0; j < cols; j++) {
             float v = (ipu_ld_f32(xr + 4u * j) - mean) / denom;
-            ipu_st_f32(yr + 4u * j, v * ipu_ld_f32(gamma + 4u * j) + ipu_ld_f32(beta + 4u * j));
+            v = v * ipu_ld_f32(gamma + 4u * j) + ipu_ld_f32(beta + 4u * j);
+#ifdef FP8_OUT
+            yr[j] = ipu_fp8_encode(v, out_type, out_scale);
+#else
+            ipu_st_f32(yr + 4u * j, v);
+#endif
         }
     }
     return 0;

@@ -7,6 +7,11 @@
  *   bias != 0: address of f32 bias[n], added once per row after scaling.
  * Each dot product accumulates in f32 over k in index order.
  * Returns 1 for unknown flag bits.
+ *
+ * With -DFP8_OUT (a cast folded into the product): args gain [.., out_type, out_scale_exp]
+ * and c is FP8 of out_type (IPU_F143/IPU_F152): c = encode(scaled + bias, out_type,
+ * out_scale_exp), bit-exact with the f32 product followed by cast.c.  flags&2 (accumulate)
+ * or another out_type returns 1.
  */
 #include "ipu_kernel.h"
 
@@ -30,6 +35,12 @@ IPU_VERTEX
 
     if (flags & ~(MM_TRANS_B | MM_ACCUMULATE))
         return 1;
+#ifdef FP8_OUT
+    const int out_type = (int)args[10];
+    const int32_t out_scale = (int32_t)args[11];
+    if ((flags & MM_ACCUMULATE) || !IPU_IS_FP8(out_type))
+        return 1;
+#endif
     for (uint32_t i = 0; i < m; i++) {
         for (uint32_t j = 0; j < n; j++) {
             float acc = 0.0f;
@@ -40,10 +51,14 @@ IPU_VERTEX
             float r = ldexpf(acc, scale);
             if (bias)
                 r += ipu_ld_f32(bias + 4u * j);
+#ifdef FP8_OUT
+            c[i * n + j] = ipu_fp8_encode(r, out_type, out_scale);
+#else
             uint8_t *cp = c + 4u * (i * n + j);
             if (flags & MM_ACCUMULATE)
                 r = ipu_ld_f32(cp) + r;
             ipu_st_f32(cp, r);
+#endif
         }
     }
     return 0;

@@ -3,6 +3,10 @@
  * args = [dst, n, count, src_0, ..., src_{count-1}]
  *   dst[i] = ((src_0[i] + src_1[i]) + ...) in order; dst may alias any src.
  * Returns 1 if count == 0.
+ *
+ * With -DFP8_OUT (a cast folded into the sum): args = [dst, n, count, out_type,
+ * out_scale_exp, src_0, ...] and dst[i] = encode(sum, out_type, out_scale_exp) (FP8 codes),
+ * bit-exact with the f32 sum followed by cast.c; another out_type returns 1.
  */
 #include "ipu_kernel.h"
 
@@ -10,7 +14,15 @@ IPU_VERTEX
 {
     uint8_t *dst = mem + args[0];
     const uint32_t n = args[1], count = args[2];
+#ifdef FP8_OUT
+    const int out_type = (int)args[3];
+    const int32_t out_scale = (int32_t)args[4];
+    const uint32_t *srcs = args + 5;
+    if (!IPU_IS_FP8(out_type))
+        return 1;
+#else
     const uint32_t *srcs = args + 3;
+#endif
 
     if (count == 0)
         return 1;
@@ -18,7 +30,11 @@ IPU_VERTEX
         float acc = ipu_ld_f32(mem + srcs[0] + 4u * i);
         for (uint32_t s = 1; s < count; s++)
             acc += ipu_ld_f32(mem + srcs[s] + 4u * i);
+#ifdef FP8_OUT
+        dst[i] = ipu_fp8_encode(acc, out_type, out_scale);
+#else
         ipu_st_f32(dst + 4u * i, acc);
+#endif
     }
     return 0;
 }

@@ -52,18 +52,45 @@ def decode_program(data: bytes) -> tuple[list[str], list]:
     return kernels, steps
 
 
+EXCHANGE_VERSION = 2
+
+
 def encode_exchange(entries: list) -> bytes:
     """``entries`` = ``[[step, src_tile, src_addr, src_stride, dst_tile, dst_addr, dst_stride,
-    rows, row_bytes], ...]`` (9 u32 each)."""
-    arr = np.asarray(entries, dtype="<u4").reshape(-1, 9)
-    return EXCHANGE_MAGIC + struct.pack("<I", len(arr)) + arr.tobytes()
+    rows, row_bytes, (dst_tile, dst_addr, dst_stride)...], ...]``: a broadcast carries its
+    further destinations at the end. Encoded (version 2) as u32 ``magic, version, count``, then
+    per entry ``step, src_tile, src_addr, src_stride, rows, row_bytes, destinations`` and
+    ``dst_tile, dst_addr, dst_stride`` per destination."""
+    words = [EXCHANGE_VERSION, len(entries)]
+    for e in entries:
+        dests = [e[4:7], *(e[i:i + 3] for i in range(9, len(e), 3))]
+        words.extend([e[0], e[1], e[2], e[3], e[7], e[8], len(dests)])
+        for d in dests:
+            words.extend(d)
+    return EXCHANGE_MAGIC + np.asarray(words, dtype="<u4").tobytes()
 
 
-def decode_exchange(data: bytes) -> np.ndarray:
-    if data[:4] != EXCHANGE_MAGIC:
+def decode_exchange(data: bytes) -> list[list[int]]:
+    """The entries of an exchange table, as ``encode_exchange`` takes them; ValueError if the
+    table is not one, is of another version or is truncated."""
+    if data[:4] != EXCHANGE_MAGIC or len(data) % 4:
         raise ValueError("not an exchange table")
-    (n,) = struct.unpack_from("<I", data, 4)
-    return np.frombuffer(data, dtype="<u4", count=9 * n, offset=8).reshape(n, 9)
+    words = np.frombuffer(data, dtype="<u4", offset=4).tolist()
+    if len(words) < 2 or words[0] != EXCHANGE_VERSION:
+        raise ValueError(f"exchange table of version {words[0] if words else '?'}; this reader knows "
+                         f"{EXCHANGE_VERSION}")
+    out, pos = [], 2
+    for _ in range(words[1]):
+        head = words[pos:pos + 7]
+        if len(head) < 7 or head[6] < 1 or pos + 7 + 3 * head[6] > len(words):
+            raise ValueError("truncated exchange table")
+        step, st, sa, ss, rows, rb, n = head
+        dests = words[pos + 7:pos + 7 + 3 * n]
+        out.append([step, st, sa, ss, *dests[:3], rows, rb, *dests[3:]])
+        pos += 7 + 3 * n
+    if pos != len(words):
+        raise ValueError("exchange table has trailing bytes")
+    return out
 
 
 def program_bytes(kernels: list[str], steps: list) -> int:
@@ -73,8 +100,9 @@ def program_bytes(kernels: list[str], steps: list) -> int:
             + sum(8 + sum(4 + 4 * len(args) for _, args in verts) for _, verts in steps))
 
 
-def exchange_bytes(n_entries: int) -> int:
-    return 8 + 36 * n_entries
+def exchange_bytes(n_entries: int, n_destinations: int) -> int:
+    """The encoded size of a table of ``n_entries`` entries with ``n_destinations`` in all."""
+    return 12 + 28 * n_entries + 12 * n_destinations
 
 
 def build_image(code: dict, data: dict, kernels: list) -> bytes:

@@ -1,6 +1,8 @@
 """The cost model: cycles per BSP step from the kernels' estimators and the exchange horizons."""
 from __future__ import annotations
 
+from fractions import Fraction
+
 from ..operators import registry
 
 
@@ -32,9 +34,22 @@ def step_compute(step: dict, machine: dict) -> dict[str, int]:
             for tile, verts in step["vertices"].items()}
 
 
+def peak_bound(program: dict, machine: dict) -> int:
+    """A bound no program of this graph can beat on ``tile_count`` tiles: every operation's
+    multiply-accumulates at the AMP's peak rate (or, for one without, its output elements at
+    the vector units' peak rate), spread perfectly over all tiles, with no exchange and one
+    sync."""
+    c = machine["compute"]
+    work = sum((Fraction(w["macs"], c["amp_macs_per_cycle"][w["dtype"]]) if w["macs"]
+                else Fraction(w["elements"], c["vector_flops_per_cycle"])) for w in program.get("work", []))
+    return -(-work.numerator // (work.denominator * program["tile_count"])) + machine["exchange"]["sync_cycles"]
+
+
 def program_cost(program: dict, horizons: list[int], machine: dict) -> dict:
     """``final_cycles`` = Σ over steps of (exchange horizon + slowest tile's compute + sync);
-    also the lower bound Σ max(balanced compute, balanced exchange) + syncs."""
+    also the lower bound Σ max(balanced compute, balanced exchange) + syncs (this program's:
+    its steps, its work and the bytes it moves, each received byte counted once per receiving
+    tile), and ``peak_bound`` (the graph's, whatever the program: see ``peak_bound``)."""
     sync = machine["exchange"]["sync_cycles"]
     tiles = program["tile_count"]
     total = exchange = bound = 0
@@ -48,4 +63,5 @@ def program_cost(program: dict, horizons: list[int], machine: dict) -> dict:
         total += horizon + slowest + sync
         exchange += horizon
         steps.append({"name": step["name"], "exchange": horizon, "compute": slowest, "sync": sync})
-    return {"final_cycles": total, "final_exchange": exchange, "lower_bound": bound, "steps": steps}
+    return {"final_cycles": total, "final_exchange": exchange, "lower_bound": bound,
+            "peak_bound": peak_bound(program, machine), "steps": steps}

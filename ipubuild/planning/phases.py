@@ -48,15 +48,27 @@ def plan_package(ctx):
 
 
 def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
-    """An upper bound of each tile's generated code before exchanges are scheduled (one
-    exchange-table entry per transfer it sends: coalescing only removes entries)."""
+    """An upper bound of each tile's generated code before exchanges are scheduled. Its
+    exchange table: per step, the larger of the two tables the step's schedule may keep (its
+    coalesced transfers grouped into broadcasts for an ordinary or a paired schedule); placing
+    storage only merges entries."""
     per_tile = kernels_per_tile(program)
-    sends: dict[str, int] = {}
+    table: dict[str, int] = {}
     for step in program["steps"]:
-        for t in step["transfers"]:
-            sends[str(t[0])] = sends.get(str(t[0]), 0) + 1
-    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(sends.get(tile, 0))
-            + _program_size(program, tile, per_tile.get(tile, []))
+        if not step["transfers"]:
+            continue
+        merged = exchange.coalesce(step["transfers"])
+        sizes = []
+        for paired in (False, True):
+            size: dict[str, int] = {}
+            for t in exchange.broadcasts(merged, paired):
+                size[str(t[0])] = size.get(str(t[0]), 0) + codegen.exchange_bytes(1, len(exchange.destination_tiles(t))) \
+                    - codegen.exchange_bytes(0, 0)
+            sizes.append(size)
+        for tile in set(sizes[0]) | set(sizes[1]):
+            table[tile] = table.get(tile, 0) + max(sizes[0].get(tile, 0), sizes[1].get(tile, 0))
+    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
+            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []))
             for tile in program["buffers"]}
 
 
@@ -168,14 +180,16 @@ def link_kernels(ctx):
 def size_tile_code(ctx):
     program, link, sched = ctx.json("program"), ctx.json("link_map"), ctx.json("exchange_schedule")
     entries: dict[str, int] = {}
+    dests: dict[str, int] = {}
     for s in sched:
         for t in s["transfers"]:
             entries[str(t[0])] = entries.get(str(t[0]), 0) + 1
+            dests[str(t[0])] = dests.get(str(t[0]), 0) + len(exchange.destination_tiles(t))
     out = {}
     for tile in program["buffers"]:
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
         prog = _program_size(program, tile, kernels)
-        xch = codegen.exchange_bytes(entries.get(tile, 0))
+        xch = codegen.exchange_bytes(entries.get(tile, 0), dests.get(tile, 0))
         kb = link["tiles"].get(tile, {"kernel_bytes": 0})["kernel_bytes"]
         out[tile] = {"kernel_bytes": kb, "program_bytes": prog, "exchange_table_bytes": xch,
                      "total": kb + prog + xch}
@@ -225,7 +239,8 @@ def optimize_exchange_placement(ctx):
     cost = program_cost(program, horizons, m)
     log.info("costed final placed program", final_cycles=cost["final_cycles"], final_exchange=cost["final_exchange"])
     log.info("bounded final placed program", lower_bound=cost["lower_bound"],
-             ratio=f"{cost['final_cycles'] / max(1, cost['lower_bound']):.3f}")
+             ratio=f"{cost['final_cycles'] / max(1, cost['lower_bound']):.3f}", peak_bound=cost["peak_bound"],
+             peak_ratio=f"{cost['final_cycles'] / max(1, cost['peak_bound']):.3f}")
     return {"placed_exchanges": _json(placed), "cost": _json(cost)}
 
 

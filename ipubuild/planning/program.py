@@ -13,29 +13,38 @@ import numpy as np
 
 from ..errors import UserError
 from ..ir import Graph
-from ..operators import registry
+from ..operators import key, registry
 
 
 class Blocks:
     """Where the blocks of one value are stored — ``(tile, buffer, (r0, r1, c0, c1))`` — with
-    fast lookup of the blocks a read overlaps (vectorised once there are many)."""
+    fast lookup of the blocks a read overlaps (vectorised once there are many, and remembered
+    until the next block is added)."""
 
     def __init__(self):
         self.items: list = []
         self._exact: dict = {}
         self._arr = None
+        self._memo: dict = {}
 
     def add(self, tile, buf, blk) -> None:
         blk = tuple(blk)
         self.items.append((tile, buf, blk))
         self._exact.setdefault((tile, blk), buf)
         self._arr = None
+        self._memo = {}
 
     def exact(self, tile, blk):
         return self._exact.get((tile, tuple(blk)))
 
     def overlapping(self, blk) -> list:
         """``[(tile, buf, stored block, intersection)]`` for stored blocks overlapping ``blk``."""
+        blk = tuple(blk)
+        if blk not in self._memo:
+            self._memo[blk] = self._overlapping(blk)
+        return self._memo[blk]
+
+    def _overlapping(self, blk) -> list:
         rr0, rr1, rc0, rc1 = blk
         if len(self.items) < 32:
             idx = range(len(self.items))
@@ -63,19 +72,29 @@ def plans_of(graph: Graph, tile_count: int) -> dict[int, list[dict]]:
     return {op.id: reg.get(op.type).plans(graph, op, tile_count) for op in graph.ops}
 
 
-class Lowerings:
-    """Each operation's plans and its lowering under each plan, computed once per graph (a search
-    builds the program of many layouts of one graph)."""
+class PlanResolver:
+    """What a layout makes of each operation's plans: a concrete plan and a tile offset.
+
+    A layout gives every operation a plan index and an offset. A follow plan (``{"follow": i}``)
+    becomes the concrete plan that runs the operation on the tiles where the producer of its
+    input ``i`` wrote that input, at the producer's offset (its own offset is unused), so that
+    input needs no exchange; chains of followers resolve in program order. Concrete plans and
+    lowerings are cached by the choices they depend on."""
 
     _cache: dict = {}
 
-    def __init__(self, graph: Graph, tile_count: int):
-        self.graph, self.tile_count, self.reg = graph, tile_count, registry()
-        self.plans: dict[int, list[dict]] = {}
-        self.lowered: dict[tuple, object] = {}
+    def __init__(self, graph: Graph, tile_count: int, plans: dict | None = None):
+        self.graph, self.tile_count = graph, tile_count
+        self.reg = registry()
+        self.plans = plans if plans is not None else plans_of(graph, tile_count)
+        self.producer = graph.producer()
+        self._plan: dict = {}
+        self._lowered: dict = {}
 
     @classmethod
-    def of(cls, graph: Graph, tile_count: int) -> "Lowerings":
+    def of(cls, graph: Graph, tile_count: int) -> "PlanResolver":
+        """The resolver of a graph, kept for the process: a search builds the programs of many
+        layouts of one graph, and their plans and lowerings are the same."""
         key = (graph.digest(), tile_count, id(registry()))
         found = cls._cache.get(key)
         if found is None:
@@ -84,19 +103,64 @@ class Lowerings:
             found = cls._cache[key] = cls(graph, tile_count)
         return found
 
-    def plans_of(self, op) -> list[dict]:
-        if op.id not in self.plans:
-            self.plans[op.id] = self.reg.get(op.type).plans(self.graph, op, self.tile_count)
-        return self.plans[op.id]
+    def resolve(self, layout: dict) -> dict[int, tuple]:
+        """``{op id: (choice, offset)}``: ``choice`` names the concrete plan (the plan index,
+        and for a follow plan the producer's choice); ``offset`` is where its tiles start."""
+        out = {}
+        for op in self.graph.ops:
+            c = layout["ops"][str(op.id)]
+            i = c["plan"]
+            if not 0 <= i < len(self.plans[op.id]):
+                raise UserError(f"layout of operation {op.name}", f"plan {i} out of range")
+            plan = self.plans[op.id][i]
+            if "follow" in plan:
+                choice, offset = out[self.producer[op.inputs[plan["follow"]]].id]
+                out[op.id] = ((i, choice), offset)
+            else:
+                out[op.id] = ((i,), c["offset"])
+        return out
 
-    def lower(self, op, plan: int):
-        if (op.id, plan) not in self.lowered:
-            self.lowered[(op.id, plan)] = self.reg.get(op.type).lower(self.graph, op, self.plans_of(op)[plan])
-        return self.lowered[(op.id, plan)]
+    def plan(self, op, choice: tuple) -> dict:
+        """The concrete plan of a choice; ValueError if it follows blocks it cannot follow."""
+        k = (op.id, choice)
+        if k not in self._plan:
+            plan = self.plans[op.id][choice[0]]
+            if "follow" in plan:
+                v = op.inputs[plan["follow"]]
+                producer = self.producer[v]
+                blocks = [(w.tile, *b[1:]) for st in self.lowering(producer, choice[1]).stages
+                          for w in st for b in w.writes if b[0] == key(v)]
+                try:
+                    plan = self.reg.get(op.type).follow(self.graph, op, plan["follow"], blocks)
+                except ValueError as exc:
+                    plan = exc
+            self._plan[k] = plan
+        if isinstance(self._plan[k], ValueError):
+            raise self._plan[k]
+        return self._plan[k]
+
+    def lowering(self, op, choice: tuple):
+        k = (op.id, choice)
+        if k not in self._lowered:
+            self._lowered[k] = self.reg.get(op.type).lower(self.graph, op, self.plan(op, choice))
+        return self._lowered[k]
+
+
+def work_of(graph: Graph) -> list[dict]:
+    """Each operation's multiply-accumulates (with the dtype of its first input, which picks
+    the AMP rate) and output elements: what the program-independent bound charges."""
+    reg = registry()
+    out = []
+    for op in graph.ops:
+        v = graph.values[op.outputs[0]]
+        out.append({"op": op.name, "macs": int(reg.get(op.type).macs(graph, op)),
+                    "dtype": graph.values[op.inputs[0]].dtype, "elements": v.rows * v.cols})
+    return out
 
 
 def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
-    lowerings = Lowerings.of(graph, tile_count)
+    resolver = PlanResolver.of(graph, tile_count)
+    resolved = resolver.resolve(layout)
     steps: list[dict] = []
     buffers: dict[int, dict[str, dict]] = {t: {} for t in range(tile_count)}
     stored: dict[str, Blocks] = defaultdict(Blocks)
@@ -130,16 +194,15 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
         b["end"] = max(b["end"], step)
 
     for op in graph.ops:
-        choice = layout["ops"][str(op.id)]
-        plans = lowerings.plans_of(op)
-        if not 0 <= choice["plan"] < len(plans):
-            raise UserError(f"layout of operation {op.name}", f"plan {choice['plan']} out of range")
-        lowering = lowerings.lower(op, choice["plan"])
+        choice, offset = resolved[op.id]
+        try:
+            lowering = resolver.lowering(op, choice)
+        except ValueError as exc:
+            raise UserError(f"layout of operation {op.name}", f"its plan cannot follow its producer: {exc}") from None
         temps.update(lowering.temps)
 
         def phys(t):
-            tile = (choice["offset"] + t) % tile_count
-            return tile
+            return (offset + t) % tile_count
 
         inplace = _casts_in_place(graph, op, consumers)
         for stage_index, stage in enumerate(lowering.stages):
@@ -149,7 +212,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
             gathered: dict[tuple, str] = {}
             for work in stage:
                 if not 0 <= work.tile < tile_count:
-                    raise UserError(f"operation {op.name}", f"its plan {plans[choice['plan']]} needs tile "
+                    raise UserError(f"operation {op.name}", f"its plan {resolver.plans[op.id][choice[0]]} needs tile "
                                     f"{work.tile} but the target has {tile_count}; raise target.tile_count")
                 tile = phys(work.tile)
                 read_bufs = []
@@ -218,6 +281,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                    for vid in graph.inputs],
         "outputs": outputs,
         "names": {**{f"v{vid}": v.name for vid, v in graph.values.items()}, **{t: t for t in temps}},
+        "work": work_of(graph),
     }
 
 

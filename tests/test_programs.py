@@ -1,0 +1,168 @@
+"""The programs ipubuild builds: vit_fp8 end to end — its goals (cycles, bounds, search gain,
+numerics), exchange-free elementwise chains, broadcasts the simulator executes, folded casts —
+and a small target whose attention follows the tiles of its heads, run on the simulator."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from ipubuild import canonical
+from ipubuild.build import all_steps, build_in_process
+from ipubuild.ir import Graph
+from ipubuild.operators import registry
+from ipubuild.pipeline import Workspace
+from ipubuild.planning.program import plans_of
+from ipubuild.targets import load_target
+
+from buildtree import SMALL, make_tree
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _build(root: Path, name: str) -> dict:
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        return build_in_process(root, f"targets/{name}.toml")
+    finally:
+        os.chdir(cwd)
+
+
+class Built:
+    """A built target's artifacts, decoded."""
+
+    def __init__(self, root: Path, name: str, out: dict):
+        self.root, self.name, self.out = root, name, out
+        self.ws = Workspace.at(root)
+
+    def json(self, artifact: str):
+        return canonical.loads(self.ws.engine.fetch(self.out[f"{self.name}/{artifact}"]))
+
+    @property
+    def graph(self) -> Graph:
+        return Graph.from_json(self.json("graph"))
+
+    def state(self) -> dict:
+        return canonical.loads((self.root / ".ipubuild" / "search" / f"{self.name}.state.json").read_bytes())
+
+
+@pytest.fixture(scope="module")
+def vit(tmp_path_factory):
+    root = make_tree(tmp_path_factory.mktemp("vit"), {"vit_fp8": (ROOT / "targets" / "vit_fp8.toml").read_text()})
+    return Built(root, "vit_fp8", _build(root, "vit_fp8"))
+
+
+def test_vit_fp8_meets_its_goals(vit):
+    cost, verdict, profile = vit.json("cost"), vit.json("verdict"), vit.json("profile")
+    assert verdict["pass"] and verdict["device_ok"] and float(verdict["min_cosine"]) >= 0.999
+    assert profile["total_cycles"] == cost["final_cycles"]
+    assert cost["final_cycles"] <= 70000
+    assert cost["final_cycles"] <= 1.3 * cost["lower_bound"]
+    assert 0 < cost["peak_bound"] <= cost["lower_bound"] <= cost["final_cycles"]
+    history = vit.state()["history"]
+    assert history and history[-1]["after"] == cost["final_cycles"]
+    start = history[0]["before"]              # after the tile-mapping screen: a lower bound on the gain
+    assert (start - cost["final_cycles"]) / start >= 0.107, history
+
+
+def test_vit_fp8_elementwise_operations_exchange_nothing(vit):
+    """A cast or an activation moves nothing; a residual add moves only the operand it does
+    not follow (when its two producers lay their blocks out differently), never the one it
+    follows."""
+    g, program, layout = vit.graph, vit.json("program"), vit.json("layout")
+    plans = plans_of(g, 64)
+    moved_by_step = {}
+    for step in program["steps"]:
+        moved_by_step.setdefault(step["op"], set()).update(
+            program["buffers"][str(t[4])][t[5]]["value"] for t in step["transfers"])
+    checked = 0
+    for op in g.ops:
+        if registry().get(op.type).follows != "elements":
+            continue
+        out = g.values[op.outputs[0]]
+        produced = [v for v in op.inputs if v not in g.constants and v not in g.inputs and g.values[v].shape == out.shape]
+        if not produced:
+            continue
+        plan = plans[op.id][layout["ops"][str(op.id)]["plan"]]
+        assert "follow" in plan, (op.name, plan)
+        followed = op.inputs[plan["follow"]]
+        moved = moved_by_step.get(op.id, set())
+        assert f"v{followed}" not in moved, op.name
+        if len(produced) == 1:
+            assert not moved, (op.name, moved)
+        else:
+            assert moved <= {f"v{v}" for v in produced if v != followed}, (op.name, moved)
+        checked += 1
+    assert checked >= 4     # the softmax's cast, the residual adds, the positional embedding
+
+
+def test_vit_fp8_attention_stays_on_the_tiles_of_its_heads(vit):
+    """Each head's scores on tiles that computed that head's Q, K or V columns; the context
+    where the probabilities were computed."""
+    g, program, layout = vit.graph, vit.json("program"), vit.json("layout")
+    plans = plans_of(g, 64)
+    ops = {op.name: op for op in g.ops}
+    chosen = {n: plans[ops[n].id][layout["ops"][str(ops[n].id)]["plan"]] for n in ("block0.scores", "block0.context")}
+    assert chosen["block0.scores"] == {"follow": 0}                       # qkv's tiles
+    assert chosen["block0.context"] in ({"follow": 0}, {"follow": 1})     # the probabilities', or qkv's
+    steps = {s["name"]: s for s in program["steps"]}
+    qkv_tiles = set(steps["block0.qkv"]["vertices"])
+    assert set(steps["block0.scores"]["vertices"]) <= qkv_tiles
+    assert set(steps["block0.context"]["vertices"]) == set(steps["block0.scores"]["vertices"])
+
+
+def test_vit_fp8_broadcasts_and_folds_its_casts(vit):
+    placed, program = vit.json("placed_exchanges"), vit.json("program")
+    fanout = [len(e[8:]) // 3 + 1 for table in placed for e in table["entries"]]
+    assert max(fanout) > 1 and sum(f > 1 for f in fanout) >= 10      # blocks sent once to several tiles
+    casts = [s["name"] for s in program["steps"] if s["name"].startswith("cast_")]
+    assert casts == ["cast_block0.softmax"]                          # every other cast folded into its producer
+    kernels = {k for s in program["steps"] for verts in s["vertices"].values() for k, _ in verts}
+    assert {"matmul_f143_f143_fp8", "layernorm_f32_fp8", "gelu_f32_fp8", "cast_rows_f32_f143"} <= kernels
+    assert vit.json("verdict")["pass"]
+
+
+# a small target built with a layout of our choosing ---------------------------------------------------
+def _build_with_layout(built: Built, layout: dict) -> Built:
+    """Re-run ``built``'s build after plan_package with ``layout`` in place of the search's."""
+    target = load_target(str(built.root / "targets" / f"{built.name}.toml"))
+    ws = built.ws
+    digest = ws.store.put(canonical.dumps(layout), pin=True)
+    ws.ref_path(f"{built.name}/layout").write_text(digest + "\n")
+    steps = all_steps(target, ws.artifacts)
+    after = [i for i, s in enumerate(steps) if s.phase == "plan_package"][0] + 1
+    out = dict(built.out, **{f"{built.name}/layout": digest})
+    cwd = os.getcwd()
+    os.chdir(built.root)
+    try:
+        for step in steps[after:]:
+            result = ws.execute(step)
+            out.update({a: result.outputs[s] for s, a in step.outputs.items()})
+    finally:
+        os.chdir(cwd)
+    return Built(built.root, built.name, out)
+
+
+def test_attention_following_its_heads_runs_right_on_the_simulator(tmp_path):
+    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 0")})
+    built = Built(root, "small", _build(root, "small"))
+    g = built.graph
+    plans = plans_of(g, 16)
+    layout = built.json("layout")
+    qkv = next(op for op in g.ops if op.name == "block0.qkv")
+    heads = [i for i, p in enumerate(plans[qkv.id]) if p.get("n") == 3 and p["k"] == 1]
+    layout["ops"][str(qkv.id)]["plan"] = heads[-1]               # Q, K, V column blocks
+    follow = {"attention_scores": 0, "softmax": 0, "cast": 0, "attention_context": 0}
+    for op in g.ops:
+        if op.type in follow:
+            layout["ops"][str(op.id)]["plan"] = plans[op.id].index({"follow": follow[op.type]})
+    rebuilt = _build_with_layout(built, layout)
+    cost, verdict, profile = rebuilt.json("cost"), rebuilt.json("verdict"), rebuilt.json("profile")
+    assert verdict["pass"] and verdict["device_ok"] and float(verdict["min_cosine"]) > 0.999
+    assert profile["total_cycles"] == cost["final_cycles"]
+    steps = {s["name"]: s for s in rebuilt.json("program")["steps"]}
+    assert not steps["block0.softmax"]["transfers"]
+    scores_tiles = set(steps["block0.scores"]["vertices"])
+    assert scores_tiles <= set(steps["block0.qkv"]["vertices"])
