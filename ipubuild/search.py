@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
+
 from . import canonical
 from .engine import PHASES, MissingBlob
 from .errors import UserError
@@ -28,7 +30,7 @@ from .files import write_atomic
 from .log import log, phase_finished, span
 from .operators import ceil_div, registry
 from .planning.cost import scalar_args
-from .planning.program import Blocks, PlanResolver, default_layout, plans_of
+from .planning.program import Blocks, PlanResolver, default_layout, plans_of, row_keys
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
               "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
@@ -212,14 +214,30 @@ class Estimator:
             self._writes[k] = dict(stored)
         return self._writes[k]
 
-    def _stages(self, op, choice) -> list:
-        """Per stage, ``[(logical tile, reads, writes, compute cycles)]``."""
+    def _stages(self, op, choice) -> tuple:
+        """What an operation does under a plan, whatever its offset: per stage, the slowest
+        logical tile's compute cycles, the blocks read of each value that is not a constant (an
+        array of ``[logical tile, r0, r1, c0, c1]`` rows, each gathered once) and the blocks
+        written; and the bytes of constants each logical tile holds."""
         k = (op.id, choice)
         if k not in self._work:
             kernels = self.resolver.reg.kernels
-            self._work[k] = [[(w.tile, w.reads, w.writes,
-                               sum(int(kernels[n].cycles(scalar_args(a), self.m)) for n, a in w.vertices))
-                              for w in st] for st in self.resolver.lowering(op, choice).stages]
+            stages, consts = [], {}
+            for st in self.resolver.lowering(op, choice).stages:
+                compute = collections.Counter()
+                reads: dict[str, dict] = {}
+                for w in st:
+                    compute[w.tile] += sum(int(kernels[n].cycles(scalar_args(a), self.m)) for n, a in w.vertices)
+                    for blk in w.reads:
+                        if blk[0] in self.const_keys:
+                            consts[(w.tile, blk)] = (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._isz[blk[0]]
+                        else:
+                            reads.setdefault(blk[0], {})[(w.tile, *blk[1:])] = None
+                stages.append((max(compute.values(), default=0),
+                               {vk: np.array(list(r), dtype=np.int64).reshape(-1, 5) for vk, r in reads.items()},
+                               [(w.tile, blk) for w in st for blk in w.writes]))
+            tiles = np.array([t for t, _ in consts], dtype=np.int64)
+            self._work[k] = (stages, tiles, np.array(list(consts.values()), dtype=np.int64))
         return self._work[k]
 
     def _compute(self, op, res) -> tuple:
@@ -228,53 +246,78 @@ class Estimator:
             stored.update(self._written(self.g.ops[p], *res[p]))
         own = collections.defaultdict(Blocks)        # what earlier stages of this operation wrote
         choice, offset = res[op.id]
-        x = self.m["exchange"]
-        setup, bw, local_bw = x["transfer_setup_cycles"], x["bytes_per_cycle"], x["local_copy_bytes_per_cycle"]
+        sync = self.m["exchange"]["sync_cycles"]
         total = pressure = 0
-        consts = {}
-        for stage in self._stages(op, choice):
-            # per port: busy cycles (a transfer's setup per row plus its bytes at the port's
-            # rate, on the sender once and on every receiver) and bytes
-            busy, moved = collections.Counter(), collections.Counter()
-            compute = collections.Counter()
-            sent, gathered = set(), set()
-            for t, reads, writes, cycles in stage:
-                tile = (offset + t) % self.T
-                compute[tile] += cycles
-                for blk in reads:
-                    vk = blk[0]
-                    if vk in self.const_keys:
-                        consts[(tile, blk)] = (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._isz[vk]
-                        continue
-                    src_blocks = own.get(vk) or stored.get(vk)
-                    if src_blocks is None or (tile, blk) in gathered or src_blocks.exact(tile, blk[1:]) is not None:
-                        continue
-                    gathered.add((tile, blk))
-                    isz = self._isz[vk]
-                    for src, _, sblk, (r0, r1, c0, c1) in src_blocks.overlapping(blk[1:]):
-                        nbytes = (r1 - r0) * (c1 - c0) * isz
-                        # rows coalesce into one transfer only when they span both blocks' width
-                        rows = 1 if (c0, c1) == (sblk[2], sblk[3]) == (blk[3], blk[4]) else r1 - r0
-                        if src == tile:
-                            busy[("local", tile)] += setup * rows + ceil_div(nbytes, local_bw)
-                            continue
-                        cycles = setup * rows + ceil_div(nbytes, bw)
-                        busy[("recv", tile)] += cycles
-                        moved[("recv", tile)] += nbytes
-                        fragment = (src, vk, sblk, r0, r1, c0, c1, rows)
-                        if fragment not in sent:        # one send for every tile that reads it
-                            sent.add(fragment)
-                            busy[("send", src)] += cycles
-                            moved[("send", src)] += nbytes
-            for t, reads, writes, cycles in stage:
-                for blk in writes:
-                    own[blk[0]].add((offset + t) % self.T, True, blk[1:])
-            pressure += max(moved.values(), default=0)
-            total += max(busy.values(), default=0) + max(compute.values(), default=0) + x["sync_cycles"]
-        load = collections.Counter()
-        for (tile, _), nbytes in consts.items():
-            load[tile] += nbytes
-        return total, pressure, dict(load)
+        stages, const_tiles, const_bytes = self._stages(op, choice)
+        for compute, reads, writes in stages:
+            port = _Ports(self.T)
+            for vk, logical in reads.items():
+                blocks = own.get(vk) or stored.get(vk)
+                if blocks is None:
+                    continue
+                wanted = logical.copy()
+                wanted[:, 0] = (offset + wanted[:, 0]) % self.T
+                wanted = wanted[~np.isin(row_keys(wanted), blocks.keys())]   # already on the tile
+                if len(wanted):
+                    self._exchange(port, wanted, blocks, vk)
+            for t, blk in writes:
+                own[blk[0]].add((offset + t) % self.T, True, blk[1:])
+            pressure += port.pressure()
+            total += port.horizon() + compute + sync
+        load = np.bincount((offset + const_tiles) % self.T, weights=const_bytes, minlength=1) if len(const_tiles) else []
+        return total, pressure, {int(t): int(b) for t, b in enumerate(load) if b}
+
+    def _exchange(self, port: "_Ports", reads: np.ndarray, blocks: Blocks, vk: str) -> None:
+        """Charge the ports for gathering ``reads`` (rows ``[tile, r0, r1, c0, c1]``) from where
+        ``blocks`` hold the value: per fragment (a read block's intersection with a stored one),
+        its setup per row (rows coalesce into one transfer only when they span both blocks'
+        width) plus its bytes at the port's rate — at the receiver, and once at the sender for
+        every tile that reads the same fragment (a broadcast); on-tile copies at local speed."""
+        x = self.m["exchange"]
+        s_tiles, s_blks = blocks.arrays()
+        hit = ((s_blks[None, :, 0] < reads[:, None, 2]) & (s_blks[None, :, 1] > reads[:, None, 1])
+               & (s_blks[None, :, 2] < reads[:, None, 4]) & (s_blks[None, :, 3] > reads[:, None, 3]))
+        ri, si = np.nonzero(hit)
+        if not len(ri):
+            return
+        r, sb = reads[ri], s_blks[si]
+        ir0, ir1 = np.maximum(r[:, 1], sb[:, 0]), np.minimum(r[:, 2], sb[:, 1])
+        ic0, ic1 = np.maximum(r[:, 3], sb[:, 2]), np.minimum(r[:, 4], sb[:, 3])
+        nbytes = (ir1 - ir0) * (ic1 - ic0) * self._isz[vk]
+        whole = (ic0 == sb[:, 2]) & (ic1 == sb[:, 3]) & (sb[:, 2] == r[:, 3]) & (sb[:, 3] == r[:, 4])
+        rows = np.where(whole, 1, ir1 - ir0)
+        setup = x["transfer_setup_cycles"] * rows
+        dst, src = r[:, 0], s_tiles[si]
+        local = src == dst
+        port.add("local", dst[local], setup[local] - (-nbytes[local] // x["local_copy_bytes_per_cycle"]), None)
+        far = ~local
+        cycles = setup[far] - (-nbytes[far] // x["bytes_per_cycle"])
+        port.add("recv", dst[far], cycles, nbytes[far])
+        # one send per distinct fragment (source tile, stored block, intersection, rows), told
+        # apart by a hash of its fields (np.unique over rows would cost more than the rest)
+        key = row_keys(np.stack([src, *sb.T, ir0, ir1, ic0, ic1, rows], axis=1)[far])
+        _, first = np.unique(key, return_index=True)
+        port.add("send", src[far][first], cycles[first], nbytes[far][first])
+
+
+class _Ports:
+    """Per-tile busy cycles (local copies, receive and send ports) and bytes of one exchange
+    phase, as the estimator charges them."""
+
+    def __init__(self, tiles: int):
+        self.busy = {k: np.zeros(tiles, np.int64) for k in ("local", "recv", "send")}
+        self.moved = {k: np.zeros(tiles, np.int64) for k in ("recv", "send")}
+
+    def add(self, kind: str, tiles: np.ndarray, cycles: np.ndarray, nbytes: np.ndarray | None) -> None:
+        np.add.at(self.busy[kind], tiles, cycles)
+        if nbytes is not None:
+            np.add.at(self.moved[kind], tiles, nbytes)
+
+    def horizon(self) -> int:
+        return int(max(b.max(initial=0) for b in self.busy.values()))
+
+    def pressure(self) -> int:
+        return int(max(m.max(initial=0) for m in self.moved.values()))
 
 
 # exact evaluation ------------------------------------------------------------------------------

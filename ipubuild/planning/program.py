@@ -16,6 +16,15 @@ from ..ir import Graph
 from ..operators import key, registry
 
 
+def row_keys(rows: np.ndarray) -> np.ndarray:
+    """One uint64 per row of an int array (a polynomial hash of its fields), to compare rows as
+    numbers."""
+    key = np.zeros(len(rows), np.uint64)
+    for column in rows.T:
+        key = key * np.uint64(0x9E3779B97F4A7C15) + column.astype(np.uint64)
+    return key
+
+
 class Blocks:
     """Where the blocks of one value are stored — ``(tile, buffer, (r0, r1, c0, c1))`` — with
     fast lookup of the blocks a read overlaps (vectorised once there are many, and remembered
@@ -24,18 +33,31 @@ class Blocks:
     def __init__(self):
         self.items: list = []
         self._exact: dict = {}
-        self._arr = None
+        self._arr = self._tiles = None
         self._memo: dict = {}
 
     def add(self, tile, buf, blk) -> None:
         blk = tuple(blk)
         self.items.append((tile, buf, blk))
         self._exact.setdefault((tile, blk), buf)
-        self._arr = None
+        self._arr = self._tiles = None
         self._memo = {}
 
     def exact(self, tile, blk):
         return self._exact.get((tile, tuple(blk)))
+
+    def keys(self) -> np.ndarray:
+        """``row_keys`` of each stored ``(tile, r0, r1, c0, c1)``."""
+        tiles, blks = self.arrays()
+        return row_keys(np.concatenate([tiles[:, None], blks], axis=1))
+
+    def arrays(self) -> tuple:
+        """(tiles, blocks): the stored blocks as arrays ``[n]`` and ``[n, 4]``."""
+        if self._arr is None or len(self._arr) != len(self.items):
+            self._arr = np.array([b for _, _, b in self.items], dtype=np.int64).reshape(-1, 4)
+        if getattr(self, "_tiles", None) is None or len(self._tiles) != len(self.items):
+            self._tiles = np.array([t for t, _, _ in self.items], dtype=np.int64)
+        return self._tiles, self._arr
 
     def overlapping(self, blk) -> list:
         """``[(tile, buf, stored block, intersection)]`` for stored blocks overlapping ``blk``."""
