@@ -25,10 +25,11 @@ from .files import stat_key_of, write_atomic
 
 VERSION = 1
 ENV = ("CC", "PATH", "PYTHONPATH", "PYTHONHASHSEED")
+CONSOLE_ONLY = ("IPUBUILD_CONSOLE", "IPUBUILD_LOG", "IPUBUILD_VERBOSE")   # change what is shown, not the graph
 
 
 def _env() -> dict:
-    keys = set(ENV) | {k for k in os.environ if k.startswith("IPUBUILD_")}
+    keys = set(ENV) | {k for k in os.environ if k.startswith("IPUBUILD_") and k not in CONSOLE_ONLY}
     return {k: os.environ.get(k) for k in sorted(keys)}
 
 
