@@ -220,6 +220,7 @@ class Bench:
         env = dict(os.environ)
         env.pop("IPUBUILD_CACHE_DIR", None)
         env["PYTHONUNBUFFERED"] = "1"           # keeps doit's task lines and the logs in order
+        env.update(IPUBUILD_CONSOLE="tasks", IPUBUILD_LOG="debug")   # which the harness reads
         env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         # a private device lock: builds of other trees on this machine must not add waits
         env["IPUBUILD_DEVICE_LOCK_DIR"] = str(logs)

@@ -37,7 +37,7 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
         from .targets import discover
         return {"tasks": [broken("build", name, str(exc)) for name in [p.stem for p in discover(root)] or ["all"]],
                 "watched": watched, "provisional": True}
-    tasks.append({"kind": "plugins"})
+    tasks.append({"kind": "plugins", "doc": "list the loaded plugins, their versions and the hooks each implements"})
     cache_id = cache_identity(cache)
     known = _known_names(pm)
     memo = StatMemo(cache / "compilers.json")
@@ -54,7 +54,8 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
                 provisional = not cc_files
             steps = b.target_steps(target, root, compiler_cfg)
         except UserError as exc:
-            tasks.append(broken("build", path.stem, str(exc), f"build {path.stem} (the target file has an error)"))
+            # a target whose model family no installed plugin provides is skipped by bare `doit`
+            tasks.append(dict(broken("build", path.stem, str(exc)), skip=exc.where.endswith(": model.family")))
             continue
         machine = target["target"]["machine"]
         if machine not in machines:
@@ -68,21 +69,48 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
                       "files": files, "file_dep": [str(ws.ref_path(a).relative_to(root)) for a, _ in files],
                       "verdict_file": str(out / f"{t}.verdict.json"), "profile_file": str(out / f"{t}.profile.json"),
                       "package_file": str(out / f"{t}.ipuexe"), "resolved": dump_resolved(target).decode()})
-        tasks.append({"kind": "inspect", "target": t})
-        tasks.append({"kind": "profile", "target": t})
+        tasks += [{"kind": kind, "target": t, "doc": doc.format(t)} for kind, doc in COMMANDS.items()]
     memo.save()
-    return {"tasks": tasks, "watched": watched, "provisional": provisional}
+    return {"tasks": tasks, "groups": group_docs(tasks), "watched": watched, "provisional": provisional}
+
+
+COMMANDS = {"explain": "why each task of the last build of {} ran, and where it stopped early",
+            "inspect": "summarise the package of {}",
+            "profile": "print the steps of {} that take the most device cycles"}
+
+
+def group_docs(entries: list) -> dict:
+    """What ``doit list`` says of each group of tasks: the targets (and the errors of broken ones)
+    and the phases."""
+    ok = [e["target"] for e in entries if e["kind"] == "build"]
+    bad = [f"{e['name']} (error: {e['message']})" for e in entries if e["kind"] == "broken" and e["name"] != "all"]
+    docs = {"build": f"compile, package, run on the device and check a target (bare `doit`: all): "
+                     f"{', '.join(ok + bad)}"}
+    docs.update((kind, doc.format("a target") + f": {', '.join(ok)}") for kind, doc in COMMANDS.items())
+    for e in entries:
+        if e["kind"] == "step":
+            s = e["step"]
+            docs.setdefault(s["task"], f"phase {s['phase']}" + (f": {e['doc']}" if e["doc"] else ""))
+    return docs
 
 
 def step_entry(ws, step, cache_id: str | None) -> dict:
     """One step as a task entry: the step, its signature (``Engine.signature``, with the cache's
     identity), and its dependencies and targets as paths relative to the tree."""
     from .engine import PHASES
-    sig = ws.engine.signature(PHASES[step.phase], step.config)
+    ph = PHASES[step.phase]
+    sig = ws.engine.signature(ph, step.config)
 
     def rel(p: Path) -> str:
         return os.path.relpath(p, ws.root) if Path(p).is_absolute() and ws.root in Path(p).parents else str(p)
-    return {"kind": "step", "step": step.to_json(), "signature": f"{sig}:{cache_id}",
+    doc = step.doc or " ".join((ph.fn.__doc__ or "").split()).split(". ")[0].rstrip(".")
+    # what the console needs: the phase kind (the outermost phase span: the planning steps are
+    # plan_package's), the target, and the search's rounds
+    kind = next((kv["phase"] for name, kv in step.spans if name == "phase"), step.phase)
+    meta = {"kind": kind, "target": next((kv.get("target") for n, kv in step.spans if n == "build"), None)}
+    if step.phase == "plan_package":
+        meta["rounds"] = step.config.get("search", {}).get("rounds")
+    return {"kind": "step", "step": step.to_json(), "signature": f"{sig}:{cache_id}", "doc": doc, "meta": meta,
             "file_dep": [rel(ws.ref_path(a)) for a in step.inputs.values()] + [str(p) for p in step.sources.values()],
             "targets": [rel(ws.ref_path(a)) for a in step.outputs.values()] + [str(p) for p in step.files.values()]}
 
@@ -104,8 +132,8 @@ def _compiler(b, memo, previous) -> tuple[dict, list[str]]:
         raise
 
 
-def broken(basename: str, name: str, message: str, doc: str = "") -> dict:
-    return {"kind": "broken", "basename": basename, "name": name, "message": message, "doc": doc}
+def broken(basename: str, name: str, message: str) -> dict:
+    return {"kind": "broken", "basename": basename, "name": name, "message": message}
 
 
 def _known_names(pm) -> dict | None:

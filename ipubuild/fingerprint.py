@@ -115,6 +115,12 @@ def code_fingerprint(modname: str) -> str:
     return h.hexdigest()
 
 
+def module_digest(modname: str) -> str | None:
+    """The digest of one module's comment- and docstring-free syntax tree (None without a source)."""
+    facts = _facts(modname)
+    return None if facts is None else facts[0]
+
+
 def files_of(modname: str) -> list[str]:
     """The source files behind ``code_fingerprint(modname)``."""
     return [source_file(m) for m in closure(modname)]

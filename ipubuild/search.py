@@ -16,7 +16,6 @@ import concurrent.futures
 import dataclasses
 import multiprocessing
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Callable
@@ -505,7 +504,6 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                 break
             log.info("evaluating ordered local candidates concurrently", candidates=len(shortlist),
                      threads=cfg["workers"])
-            _progress(f"search round {rnd}: evaluating {len(shortlist)} candidates")
             jobs = [(state["attempts"] + i + 1, idx, layout) for i, (idx, layout, _) in enumerate(shortlist)]
             t1 = time.perf_counter()
             results = pool.map(jobs)
@@ -540,7 +538,6 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
         return incumbent, {"initial_cycles": h[0]["before"] if h else state["cycles"], "history": h}
     finally:
         pool.close()
-        _progress(None)
 
 
 def mapping_candidates(layout: dict, tile_count: int) -> list[dict]:
@@ -667,9 +664,3 @@ def screen(proposals, incumbent, sc, visited, shortlist_size):
     counts["shortlisted"] = len(short)
     return counts, [(idx, layout, ch) for _, idx, layout, ch in short]
 
-
-def _progress(text: str | None) -> None:
-    if not sys.stderr.isatty():
-        return
-    sys.stderr.write("\r\033[K" + (text or ""))
-    sys.stderr.flush()

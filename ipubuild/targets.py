@@ -168,6 +168,13 @@ def _show(value: Any, limit: int = 60) -> str:
     return text
 
 
+def _did_you_mean(value: Any, names) -> str:
+    """`` (did you mean 'x'?)`` when ``value`` is a likely misspelling of one of ``names``."""
+    import difflib
+    close = difflib.get_close_matches(str(value), [str(n) for n in names], n=1, cutoff=0.66)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
@@ -207,7 +214,8 @@ def _check_value(field: Field, value: Any, where: str, dotted: str) -> Any:
         return value
     if kind == "str":
         if not isinstance(value, str) or (field.choices is not None and value not in field.choices):
-            fail()
+            hint = _did_you_mean(value, field.choices) if isinstance(value, str) and field.choices else ""
+            raise UserError(f"{where}: {dotted}", f"expected {field.expected()}, got {_show(value)}{hint}")
         return value
     if kind == "list_str":
         if not isinstance(value, list):
@@ -253,7 +261,7 @@ def check_table(table: dict, schema: dict[str, Field], where: str, section: str,
             if key not in schema:
                 known = ", ".join(schema) or "(none)"
                 raise UserError(f"{where}: {_join(section, key)}",
-                                f"unknown key {_show(key)}; known keys: {known}")
+                                f"unknown key {_show(key)}{_did_you_mean(key, schema)}; known keys: {known}")
     out: dict[str, Any] = {}
     for key, field in schema.items():
         dotted = _join(section, key)
@@ -364,8 +372,8 @@ def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
     schema = _schema_for(max_tiles)
     for section in data:
         if section not in schema:
-            raise UserError(f"{where}: {_key(section)}",
-                            f"unknown section {_show(section)}; known sections: {', '.join(schema)}")
+            raise UserError(f"{where}: {_key(section)}", f"unknown section {_show(section)}"
+                            f"{_did_you_mean(section, schema)}; known sections: {', '.join(schema)}")
     for section in _REQUIRED_SECTIONS:
         if section not in data:
             raise UserError(f"{where}: {section}", f"missing required table [{section}]; see {EXAMPLE}")
@@ -382,7 +390,9 @@ def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
         value = resolved[section][key]
         if value not in names:
             listed = ", ".join(sorted(names)) or "(none)"
-            raise UserError(f"{where}: {section}.{key}", f"unknown {kind} {_show(value)}; known: {listed}")
+            hint = "; a plugin may provide it: install it (see docs/plugins.md)" if kind == "family" else ""
+            raise UserError(f"{where}: {section}.{key}",
+                            f"unknown {kind} {_show(value)}{_did_you_mean(value, names)}; known: {listed}{hint}")
     return resolved
 
 

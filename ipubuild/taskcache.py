@@ -25,12 +25,13 @@ from .files import stat_key_of, write_atomic
 
 VERSION = 1
 ENV = ("CC", "PATH", "PYTHONPATH", "PYTHONHASHSEED")
+CONSOLE_ONLY = ("IPUBUILD_CONSOLE", "IPUBUILD_LOG", "IPUBUILD_VERBOSE")   # change what is shown, not the graph
 
 
 def _env() -> dict:
     """The environment the analysis depends on, as digests (values may hold credentials)."""
     import hashlib
-    keys = set(ENV) | {k for k in os.environ if k.startswith("IPUBUILD_")}
+    keys = set(ENV) | {k for k in os.environ if k.startswith("IPUBUILD_") and k not in CONSOLE_ONLY}
     return {k: hashlib.sha256(os.environ[k].encode()).hexdigest()[:32] if k in os.environ else None
             for k in sorted(keys)}
 

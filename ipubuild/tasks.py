@@ -1,5 +1,5 @@
 """doit integration: every target's steps as doit tasks, the ``build:<target>`` entry point,
-``inspect:<target>`` and ``profile:<target>``.
+``explain:<target>``, ``inspect:<target>`` and ``profile:<target>``.
 
 A project's ``dodo.py`` is three lines::
 
@@ -11,7 +11,8 @@ A task's ``file_dep`` are the reference files of its inputs (and real sources), 
 the reference files of its outputs; doit judges them by content (``ContentChecker``). Its
 ``uptodate`` check carries the phase's *signature* — the same digest the engine puts in its action
 key (``Engine.signature``) — and the cache's identity. One lock per tree serialises concurrent
-runs.
+runs. Bare ``doit`` (and ``doit clean``, ``doit forget``) works on every target whose model
+family is available; the others are named and skipped. What a run prints is ``ipubuild.console``'s.
 
 This module is what a no-op build runs, so it imports nothing heavy: the task graph comes from the
 task-graph cache (``ipubuild.taskcache``; ``ipubuild.analysis`` derives it when it is stale), and
@@ -22,16 +23,15 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 from doit.dependency import FileChangedChecker
 from doit.exceptions import TaskFailed
-from doit.reporter import ConsoleReporter
 from doit.tools import config_changed
 
-from . import taskcache
+from . import console, taskcache
+from .console import Reporter  # noqa: F401 - doit's classic reporter (IPUBUILD_CONSOLE=tasks)
 from .errors import UserError
 from .files import file_digest, settled, stat_key, tree_memo, write_if_changed
 
@@ -72,6 +72,8 @@ def hold_build_lock(root: Path) -> None:
     except BlockingIOError:
         from .log import log
         log.info("waiting for another build in this tree", lock=path)
+        if console.settings.get("mode") not in (None, "tasks") and console.settings.get("log_level"):
+            console.say(f"waiting for another build in this tree (lock {path})\n")
         fcntl.flock(f, fcntl.LOCK_EX)
     _locks[path] = f
 
@@ -99,26 +101,6 @@ def heal_doit_db(path: Path) -> None:
                     damaged=aside)
 
 
-class Reporter(ConsoleReporter):
-    """doit's console reporter, with ipubuild's errors as one line and no traceback
-    (``IPUBUILD_VERBOSE=1`` shows tracebacks)."""
-
-    def add_failure(self, task, fail):
-        if isinstance(fail, TaskFailed) and not os.environ.get("IPUBUILD_VERBOSE"):
-            self._write(f"error: {fail.message}\n")
-            self.failures.append({"task": task, "exception": fail, "one_line": True})
-            return
-        super().add_failure(task, fail)
-
-    def complete_run(self):
-        rest = [f for f in self.failures if not f.get("one_line")]
-        self.failures = rest
-        super().complete_run()
-
-    def _write(self, text):
-        self.outstream.write(text)
-
-
 def load(dodo_file, *, extra_config: dict | None = None) -> dict:
     """The namespace a dodo.py exposes: DOIT_CONFIG and one task creator for every target.
 
@@ -127,23 +109,31 @@ def load(dodo_file, *, extra_config: dict | None = None) -> dict:
     root = Path(dodo_file).resolve().parent
     os.chdir(root)
     heal_doit_db(root / ".doit.db")
+    reporter, verbose = console.setup(root)
+    defaults: list[str] = []    # filled when the tasks load: doit reads this list only after
 
     def task_ipubuild():
         hold_build_lock(root)
-        yield from tasks_of(root)
+        yield from tasks_of(root, defaults, verbose)
 
-    config = {"backend": "sqlite3", "dep_file": str(root / ".doit.db"), "verbosity": 2,
-              "reporter": Reporter, "check_file_uptodate": ContentChecker, "default_tasks": [],
-              **(extra_config or {})}
+    config = {"backend": "sqlite3", "dep_file": str(root / ".doit.db"), "reporter": reporter,
+              "check_file_uptodate": ContentChecker, "default_tasks": defaults,
+              **({"verbosity": 2} if verbose else {}), **(extra_config or {})}
     return {"DOIT_CONFIG": config, "task_ipubuild": task_ipubuild}
 
 
-def tasks_of(root: Path):
-    """doit task dicts for every entry of the tree's analysis."""
+def tasks_of(root: Path, defaults: list | None = None, verbose: bool = True):
+    """doit task dicts for every entry of the tree's analysis (and, in ``defaults``, the tasks
+    bare ``doit`` runs: the ``build`` group of every target, and every step)."""
     graph = taskcache.load(root, _analyse)
-    entries = graph["tasks"]
+    entries, docs = graph["tasks"], dict(graph.get("groups", {}))
     for e in entries:
-        yield task_of(root, e, entries)
+        task = task_of(root, e, entries, verbose)
+        if "name" in task and task["basename"] in docs:      # the group's own doc, before its first task
+            yield {"basename": task["basename"], "name": None, "doc": docs.pop(task["basename"])}
+        yield task
+    if defaults is not None and any("build" in (e["kind"], e.get("basename")) for e in entries):
+        defaults[:] = ["build"] + [f"{e['step']['task']}:{e['step']['name']}" for e in entries if e["kind"] == "step"]
 
 
 def _analyse(root: Path, previous: dict | None) -> dict:
@@ -161,29 +151,57 @@ def step_task(ws, step) -> dict:
     return task_of(ws.root, entry, [entry])
 
 
-def task_of(root: Path, e: dict, entries: list) -> dict:
+class Signature(config_changed):
+    """The up-to-date check of a step: its signature, as doit's ``config_changed`` compares it;
+    remembers whether doit had a record of the task (for ``explain``)."""
+
+    recorded = True
+
+    def __call__(self, task, values):
+        self.recorded = values.get("_config_changed") is not None
+        return super().__call__(task, values)
+
+
+def task_of(root: Path, e: dict, entries: list, verbose: bool = True) -> dict:
     kind = e["kind"]
+    v = {"verbosity": 2} if verbose else {}
     if kind == "step":
-        s = e["step"]
-        return {"basename": s["task"], "name": s["name"], "actions": [_run_step(root, e, entries)],
-                "file_dep": e["file_dep"], "targets": e["targets"], "uptodate": [config_changed(e["signature"])],
-                "doc": s["doc"] or f"phase {s['phase']}", "verbosity": 2, "clean": True}
+        s, sig = e["step"], Signature(e["signature"])
+        return {"basename": s["task"], "name": s["name"], "actions": [_run_step(root, e, entries, sig)],
+                "file_dep": e["file_dep"], "targets": e["targets"], "uptodate": [sig], "meta": e["meta"],
+                "doc": e["doc"] or f"phase {s['phase']}", "clean": True, **v}
     if kind == "build":
         finish = Finish(root, e, entries)
         return {"basename": "build", "name": e["target"], "actions": [finish.run],
-                "file_dep": e["file_dep"], "uptodate": [finish.uptodate], "verbosity": 2,
+                "file_dep": e["file_dep"], "uptodate": [finish.uptodate], "meta": {"target": e["target"]},
+                "clean": [(remove_build_files, [root, e])], **v,
                 "doc": f"compile, package, run on the device and check {e['target']}"}
-    if kind == "inspect":
-        return {"basename": "inspect", "name": e["target"], "actions": [_inspect(root, e)], "uptodate": [False],
-                "verbosity": 2, "doc": f"summarise the package of {e['target']}"}
-    if kind == "profile":
-        return {"basename": "profile", "name": e["target"], "actions": [_profile(root, e)], "uptodate": [False],
-                "verbosity": 2, "doc": f"print the steps of {e['target']} that take the most device cycles"}
-    if kind == "plugins":
-        return {"basename": "plugins", "actions": [_list_plugins], "uptodate": [False], "verbosity": 2,
-                "doc": "list the loaded plugins, their versions and the hooks each implements"}
-    return {"basename": e["basename"], "name": e["name"], "actions": [_broken(e["message"])],
-            "doc": e.get("doc", "")}
+    if kind == "broken":
+        return {"basename": e["basename"], "name": e["name"], "actions": [(_broken, [e])], **v,
+                "doc": f"error: {e['message']}"}
+    # a command around the builds: explain, inspect, profile (per target), plugins
+    return {"basename": kind, **({"name": e["target"]} if "target" in e else {}), "uptodate": [False],
+            "actions": [(_command, [kind, root, e])], "doc": e["doc"], **v}
+
+
+def _command(name: str, root: Path, entry: dict):
+    from . import commands
+    return getattr(commands, name)(root, entry)
+
+
+def remove_build_files(root: Path, entry: dict, dryrun: bool = False):
+    from .commands import clean_build
+    clean_build(root, entry, dryrun)
+
+
+def _broken(e: dict):
+    """A target (or the whole tree) that failed to load: its error — except that a target whose
+    model family is not installed is skipped, with a line saying so, unless named itself."""
+    name = f"{e['basename']}:{e['name']}"
+    if e.get("skip") and not console.chosen(name):
+        console.say(f"skipped {name}: {e['message']}\n")
+        return None
+    return TaskFailed(e["message"])
 
 
 # running tasks (these import the heavy parts) ----------------------------------------------------
@@ -216,14 +234,20 @@ def _failure(exc: Exception, where: str, plugins=None) -> TaskFailed:
                       "rerun with IPUBUILD_VERBOSE=1 for the traceback")
 
 
-def _run_step(root: Path, entry: dict, entries: list):
+def _run_step(root: Path, entry: dict, entries: list, signature: Signature):
     def run():
+        from .explain import watch
         from .pipeline import Step
         _executed[0] += 1
         ws = None
         try:
             ws = workspace(root, entries)
-            ws.execute(Step.from_json(entry["step"]))
+            with watch(ws, entry, entries, signature.recorded):
+                result = ws.execute(Step.from_json(entry["step"]))
+            if result.hit and "diagnostics" in result.outputs:   # a tool's warnings, from the cache
+                from .log import log
+                for what, text in ws.engine.decoded(result.outputs["diagnostics"]).items():
+                    log.diagnostics(f"{what} (cached):\n{text}", once=(what, text))
         except Exception as exc:  # noqa: BLE001 - reported as one line
             plugins = ws._plugins if ws is not None else None
             return _failure(exc, f"phase {entry['step']['phase']}", plugins)
@@ -244,9 +268,11 @@ class Finish:
         self.root, self.entry, self.entries = root, entry, entries
         self.outcome = None       # (failure or None), once reported
 
-    def uptodate(self) -> bool:
+    def uptodate(self) -> bool | None:
         if _executed[0]:
             return False
+        if not console.settings.get("running"):
+            return None                 # not a build (`doit info`): the files decide
         try:
             return self.report() is None
         except Exception:  # noqa: BLE001 - the action then runs and reports it
@@ -282,7 +308,7 @@ class Finish:
         cost = verdict["cost"]
         verdict_word = "PASS" if verdict["pass"] else "FAIL"
         device_word = "PASS" if verdict["device_ok"] else "FAIL"
-        sys.stdout.write(
+        console.closing(t,
             f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
             f"lower_bound={cost['lower_bound']} peak_bound={cost.get('peak_bound')}\n"
             f"profile={entry['profile_file']} tiles={verdict['tiles']} samples={verdict['samples']}\n"
@@ -294,8 +320,7 @@ class Finish:
             f"device={entry['device']} deviceTest={device_word}\n")
         ws = _workspaces.get(root)
         if ws is not None and ws.store.remote is not None:   # what the shared cache did
-            sys.stdout.write(ws.store.remote.summary() + "\n")
-        sys.stdout.flush()
+            console.say(ws.store.remote.summary() + "\n")
         failure = None
         if not verdict["pass"]:
             th = verdict["thresholds"]
@@ -314,55 +339,3 @@ def _read_ref(root: Path, artifact: str) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     return text if len(text) == 64 else None
-
-
-def _inspect(root: Path, entry: dict):
-    def run():
-        from .log import log
-        from .package import read_package, summarize
-        t = entry["target"]
-        path = root / "artifacts" / t / f"{t}.ipuexe"
-        if not path.exists():
-            return TaskFailed(f"{path}: no package yet; run `doit build:{t}` first")
-        try:
-            for line in summarize(read_package(path)):
-                log.plain(line)
-        except UserError as exc:
-            return TaskFailed(str(exc))
-        return None
-    return run
-
-
-def _profile(root: Path, entry: dict):
-    def run():
-        from .log import log
-        from .report import read_profile, top_steps_table
-        t = entry["target"]
-        path = root / "artifacts" / t / f"{t}.profile.json"
-        try:
-            for line in top_steps_table(read_profile(path, t, shown=os.path.relpath(path, root))):
-                log.plain(line)
-        except UserError as exc:
-            return TaskFailed(str(exc))
-        return None
-    return run
-
-
-def _list_plugins():
-    from .log import log
-    from .plugins import get_plugin_manager
-    try:
-        pm = get_plugin_manager()
-    except UserError as exc:
-        return TaskFailed(str(exc))
-    for name, plugin in sorted(pm.list_name_plugin()):
-        dist, version = pm.dists.get(name, (name, "0"))
-        hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
-        log.plain(f"{name}  {dist}=={version}  hooks: {', '.join(hooks)}")
-    return None
-
-
-def _broken(message: str):
-    def run():
-        return TaskFailed(message)
-    return run

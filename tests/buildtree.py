@@ -73,12 +73,15 @@ def snapshot(dest_dir: Path) -> dict:
 
 def env(tree: Path | None = None, **extra) -> dict:
     """The environment for a doit subprocess; with ``tree``, ``tree`` comes first on PYTHONPATH
-    (a tree-local ``ipubuild/`` is then the one imported)."""
+    (a tree-local ``ipubuild/`` is then the one imported). The console is the scripts' one —
+    doit's per-task lines and the whole log (``IPUBUILD_CONSOLE=tasks IPUBUILD_LOG=debug``) —
+    unless ``extra`` says otherwise."""
     e = dict(os.environ)
     for k in ("IPUBUILD_VERBOSE", "IPUBUILD_CACHE_DIR", "IPUBUILD_PLUGINS"):
         e.pop(k, None)
     for k in [k for k in e if k.startswith("IPUBUILD_REMOTE_CACHE")]:   # never a developer's remote
         e.pop(k)
+    e.update(IPUBUILD_CONSOLE="tasks", IPUBUILD_LOG="debug")
     if tree is not None:
         e["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([e["PYTHONPATH"]] if e.get("PYTHONPATH") else []))
     e.update(extra)

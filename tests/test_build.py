@@ -30,7 +30,7 @@ def small_tree(root: Path, with_ipubuild=False, text=ONE_ROUND) -> Path:
 
 
 def doit(tree: Path, *args):
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONPATH=str(tree), IPUBUILD_CONSOLE="tasks", IPUBUILD_LOG="debug")
     p = subprocess.run([sys.executable, "-m", "doit", *args], cwd=tree, env=env, capture_output=True,
                        text=True, timeout=600)
     return p.returncode, p.stdout + p.stderr

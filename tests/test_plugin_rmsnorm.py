@@ -90,6 +90,7 @@ def _copy_tree(tmp_path: Path, targets=None) -> Path:
 def _env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("IPUBUILD_PLUGINS", "IPUBUILD_CACHE_DIR", "IPUBUILD_VERBOSE", "PYTHONPATH")}
+    env.update(IPUBUILD_CONSOLE="tasks", IPUBUILD_LOG="debug")     # the per-task lines and the log
     env.update(extra)
     return env
 

@@ -21,7 +21,6 @@ import shlex
 import shutil
 import struct
 import subprocess
-import sys
 import tempfile
 from pathlib import Path, PurePosixPath
 
@@ -171,7 +170,7 @@ def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str
                             "check the source or IPUBUILD_CFLAGS") from None
         diagnostics = proc.stderr.replace(source_name, where)
         if proc.returncode != 0:
-            sys.stderr.write(diagnostics)
+            log.diagnostics(diagnostics)
             first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
             raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
         return (Path(tmp) / "kernel.so").read_bytes(), diagnostics
@@ -201,11 +200,14 @@ def used_variants(graph, registry) -> list[str]:
     return sorted(names)
 
 
-@phase("compile_kernels", inputs=("graph", "source/*"), outputs=("objects", "code_sizes", "reservations"),
+@phase("compile_kernels", inputs=("graph", "source/*"),
+       outputs=("objects", "code_sizes", "reservations", "diagnostics"),
        config=("compiler", "kernel_quantum"), hooks=("ipubuild_operators",))
 def compile_kernels(ctx):
     """Compile the kernel variants the target's graph can use; their objects (a family index),
-    exact code sizes, and reservations (the only part planning reads)."""
+    exact code sizes, reservations (the only part planning reads) and the compiler's warnings
+    (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
+    comes from the cache: see ``ipubuild.tasks``)."""
     from ..artifacts import graph_of
     from ..operators import registry
     reg = registry()
@@ -240,15 +242,17 @@ def compile_kernels(ctx):
     if failure is not None:
         raise failure
     quantum = ctx.config["kernel_quantum"]
-    objects, sizes, reserved = {}, {}, {}
+    objects, sizes, reserved, warnings = {}, {}, {}, {}
     for name, r in sorted(results.items()):
         if not r.hit:
             log.info("compiled kernel variant", variant=name, elapsed_ms=r.elapsed_ms)
         diagnostics = ctx.engine.fetch(r.outputs["diagnostics"]).decode()
-        if diagnostics.strip():         # replayed on a cache hit too, as Bazel replays stderr
-            sys.stderr.write(f"kernel {name}: compiler diagnostics{' (cached)' if r.hit else ''}:\n{diagnostics}")
+        if diagnostics.strip():         # replayed on a cache hit too (once a run), as Bazel replays stderr
+            what = f"kernel {name}: compiler diagnostics"
+            warnings[what] = diagnostics
+            log.diagnostics(f"{what}{' (cached)' if r.hit else ''}:\n{diagnostics}", once=(what, diagnostics))
         objects[name] = r.outputs["object"]
         sizes[name] = ctx.engine.decoded(r.outputs["code_size"])["code_bytes"]
         reserved[name] = reserve(sizes[name], quantum)
     return {"objects": canonical.dumps(objects), "code_sizes": canonical.dumps(sizes),
-            "reservations": canonical.dumps(reserved)}
+            "reservations": canonical.dumps(reserved), "diagnostics": canonical.dumps(warnings)}
