@@ -5,10 +5,15 @@ its tile image; the tile program and exchange table are decoded from that memory
 phase by phase: the exchange copies exactly what the tables say, then every tile's vertices call
 the compiled C kernels with pointers into that tile's memory, then a sync. Cycles come from the
 kernels' estimators and the exchange horizons, as in the cost model.
+
+The used tiles' memories are the rows of one array, so that an exchange phase is one gather and
+one scatter over it; each step's vertex calls, their cycles and the exchange horizons are worked
+out once, when the package is loaded.
 """
 from __future__ import annotations
 
 import ctypes
+import mmap
 import time
 from pathlib import Path
 
@@ -20,7 +25,7 @@ from ..errors import UserError
 from ..log import log
 from ..operators import registry
 from ..package import Package
-from ..planning import codegen, exchange
+from ..planning import codegen
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "f143": np.uint8, "f152": np.uint8}
 
@@ -44,13 +49,15 @@ class Simulator:
         t0 = time.perf_counter()
         log.info("loading application", tile_count=m["tiles"])
         kernels = self._load_kernels(pkg, workdir)
-        mems, programs, tables = {}, {}, []
         idle = m["idle_image"]
-        for tile, digest in enumerate(m["tile_images"]):
-            if digest == idle:
-                continue
-            header, blobs = pkg.images[digest]
-            mem = np.zeros(machine["sram_end"], dtype=np.uint8)
+        used = [t for t, digest in enumerate(m["tile_images"]) if digest != idle]
+        row_of = np.full(m["tiles"], -1, dtype=np.int64)
+        row_of[used] = np.arange(len(used))
+        memory = _zeroed_memory(len(used), machine["sram_end"])
+        programs, tables = {}, []
+        for row, tile in enumerate(used):
+            header, blobs = pkg.images[m["tile_images"][tile]]
+            mem = memory[row]
             names = {}
             for kind, name, addr, size, _ in header["segments"]:
                 if kind == "kernel":
@@ -60,58 +67,43 @@ class Simulator:
                 mem[addr:addr + size] = np.frombuffer(raw, dtype=np.uint8)
                 if kind in ("program", "exchange"):
                     names[f"@{kind}"] = (addr, size)
-            mems[tile] = mem
             kn, steps = codegen.decode_program(_read(mem, names["@program"]))
-            programs[tile] = {s: [(names[kn[k]], kn[k], np.asarray(a, dtype=np.uint32)) for k, a in verts]
-                              for s, verts in steps}
+            programs[tile] = {s: [(names[kn[k]], kn[k], a) for k, a in verts] for s, verts in steps}
             tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
+        host = m["host"]
+        host_program = canonical.loads(pkg.member("host/program.json"))
+        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"])
         log.info("application loaded and initial synchronization completed", tile_count=m["tiles"],
                  elapsed_ms=int((time.perf_counter() - t0) * 1000))
-        host = pkg.manifest["host"]
         log.info("invoking host exchange call", call='"initialize"', phases=host["initialize"]["phases"])
         for b in m["inputs"]:
             raw = np.ascontiguousarray(inputs[b["name"]], dtype=DTYPES[b["dtype"]]).view(np.uint8).reshape(-1)
             for off, size, tile, addr in b["ranges"]:
-                mems[tile][addr:addr + size] = raw[off:off + size]
+                memory[_row(row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
         log.info("invoking host exchange call", call='"run"', phases=host["run"]["phases"])
-        entries = np.concatenate(tables) if tables else np.zeros((0, 9), np.uint32)
-        by_step = {}
-        for e in entries[np.lexsort((np.arange(len(entries)), entries[:, 0]))]:
-            by_step.setdefault(int(e[0]), []).append(e[1:])
-        host_program = canonical.loads(pkg.member("host/program.json"))
-        reg = registry()
-        steps, total, ok = [], 0, True
-        sync = machine["exchange"]["sync_cycles"]
+        ok = True
         for s in range(host["run"]["phases"]):
-            step_entries = by_step.get(s, [])
-            run_exchange(mems, step_entries)
-            horizon = exchange.horizon_of([[int(x) for x in e] for e in step_entries], machine,
-                                          host_program["paired"][s]) if step_entries else 0
-            compute = {}
-            for tile, prog in programs.items():
-                verts = prog.get(s)
-                if not verts:
-                    continue
-                base = mems[tile].ctypes.data_as(ctypes.c_void_p)
-                cycles = 0
-                for fn, kname, args in verts:
-                    if fn(base, args.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))) != 0:
-                        ok = False
-                        log.warning("vertex failed", step=s, tile=tile, kernel=kname)
-                    cycles += int(reg.kernels[kname].cycles([int(a) for a in args], machine))
-                compute[str(tile)] = cycles
+            run_exchange(memory, row_of, plan.entries[s])
+            for i, rc in plan.execute(s):
+                ok = False
+                tile, kname = plan.where[s][i]
+                log.warning("vertex failed", step=s, tile=tile, kernel=kname, code=rc)
+        sync = machine["exchange"]["sync_cycles"]
+        steps, total = [], 0
+        for s in range(host["run"]["phases"]):
+            compute = plan.compute[s]
             slowest = max(compute.values(), default=0)
-            total += horizon + slowest + sync
-            steps.append({"name": host_program["steps"][s], "exchange": horizon, "compute": compute,
+            total += plan.horizons[s] + slowest + sync
+            steps.append({"name": host_program["steps"][s], "exchange": plan.horizons[s], "compute": compute,
                           "slowest": slowest, "sync": sync})
         outputs = {}
         for b in m["outputs"]:
             raw = np.zeros(int(np.prod(b["shape"])) * np.dtype(DTYPES[b["dtype"]]).itemsize, np.uint8)
             for off, size, tile, addr in b["ranges"]:
-                raw[off:off + size] = mems[tile][addr:addr + size]
+                raw[off:off + size] = memory[_row(row_of, tile, b["name"]), addr:addr + size]
             outputs[b["name"]] = raw.view(DTYPES[b["dtype"]]).reshape(b["shape"])
         trace = _trace(steps, machine)
-        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(mems), "ok": ok,
+        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(used), "ok": ok,
                    "total_cycles": total, "samples": len(trace), "steps": steps}
         return DeviceRun(outputs, profile, trace)
 
@@ -125,25 +117,151 @@ class Simulator:
             except (OSError, AttributeError) as exc:
                 raise UserError(f"kernel {name}", f"the device cannot load its object: {exc}") from None
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             out[name] = fn
         return out
 
 
-def run_exchange(mems: dict, entries) -> None:
-    """Perform one exchange phase: each entry ``[src_tile, src_addr, src_stride, dst_tile,
+class _Plan:
+    """What the host calls do, worked out once from the loaded tiles: per step, the exchange
+    entries, the vertex calls (kernel, tile memory, arguments), each tile's compute cycles from
+    the kernels' estimators and the exchange horizon."""
+
+    def __init__(self, memory, programs, tables, machine, n_steps, paired):
+        reg = registry()
+        entries = np.concatenate(tables) if tables else np.zeros((0, 9), np.uint32)
+        entries = entries[np.argsort(entries[:, 0], kind="stable")]
+        bounds = np.searchsorted(entries[:, 0], np.arange(n_steps + 1))
+        self.entries = [entries[bounds[s]:bounds[s + 1], 1:].astype(np.int64) for s in range(n_steps)]
+        self.horizons = [horizon(e, machine, paired[s]) for s, e in enumerate(self.entries)]
+        base, stride = memory.ctypes.data, memory.strides[0]
+        rows = {tile: row for row, tile in enumerate(programs)}
+        args = [a for prog in programs.values() for verts in prog.values() for _, _, a in verts]
+        self._args = np.array([x for a in args for x in a], dtype=np.uint32)   # kept alive: the calls point into it
+        first = self._args.ctypes.data
+        offsets = np.cumsum([0] + [len(a) for a in args]).tolist()
+        estimates, pos = {}, 0
+        self.calls = [[] for _ in range(n_steps)]
+        self.where = [[] for _ in range(n_steps)]
+        self.compute = [{} for _ in range(n_steps)]
+        for tile, prog in programs.items():
+            mem = base + rows[tile] * stride
+            for s, verts in prog.items():
+                cycles = 0
+                for fn, kname, a in verts:
+                    self.calls[s].append((fn, mem, first + 4 * offsets[pos]))
+                    self.where[s].append((tile, kname))
+                    key = (kname, *a)
+                    if key not in estimates:
+                        estimates[key] = int(reg.kernels[kname].cycles(a, machine))
+                    cycles += estimates[key]
+                    pos += 1
+                if verts:
+                    self.compute[s][str(tile)] = cycles
+
+    def execute(self, step: int) -> list[tuple[int, int]]:
+        """Run one step's vertices; the (call index, return code) of those that failed."""
+        return [(i, rc) for i, (fn, mem, args) in enumerate(self.calls[step]) if (rc := fn(mem, args)) != 0]
+
+
+def horizon(entries: np.ndarray, machine: dict, paired: bool) -> int:
+    """The horizon of one exchange phase's placed entries: ``planning.exchange.horizon_of``'s
+    greedy list schedule (largest transfer first, ties in table order; each transfer starts when
+    its source's send port and its destination's receive port are free, an on-tile copy uses the
+    tile's local port), with the durations computed over arrays and the ports numbered."""
+    e = np.asarray(entries, dtype=np.int64).reshape(-1, 8)
+    if not len(e):
+        return 0
+    x = machine["exchange"]
+    st, dt, rows, nbytes = e[:, 0], e[:, 3], e[:, 6], e[:, 6] * e[:, 7]
+    local = st == dt
+    setup = x["transfer_setup_cycles"] * rows
+    if paired:
+        send, recv = st // 2, dt // 2
+        dur = x["paired_setup_cycles"] + setup - (-nbytes // x["paired_bytes_per_cycle"])
+    else:
+        send, recv = st, dt
+        dur = setup - (-nbytes // x["bytes_per_cycle"])
+    ports = int(max(st.max(), dt.max())) + 1       # send ports, then receive ports, then local ports
+    local_port = 2 * ports + st
+    dur = np.where(local, setup - (-nbytes // x["local_copy_bytes_per_cycle"]), dur)
+    a = np.where(local, local_port, send)
+    b = np.where(local, local_port, ports + recv)
+    order = np.argsort(-nbytes, kind="stable")
+    free = [0] * (3 * ports)
+    end = 0
+    for pa, pb, d in zip(a[order].tolist(), b[order].tolist(), dur[order].tolist()):
+        fa, fb = free[pa], free[pb]
+        free[pa] = free[pb] = t = (fa if fa > fb else fb) + d
+        if t > end:
+            end = t
+    return end
+
+
+def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
+    """Perform one exchange phase over ``memory`` (one row per loaded tile; ``row_of[tile]`` is
+    its row, -1 if it is not loaded): each entry ``[src_tile, src_addr, src_stride, dst_tile,
     dst_addr, dst_stride, rows, row_bytes]`` copies ``rows`` rows of ``row_bytes`` bytes. All
-    reads happen before any write (the exchange is a phase, not a sequence of copies)."""
-    staged = []
-    for st, sa, ss, dt, da, ds, rows, rb in entries:
-        for tile, addr, stride in ((st, sa, ss), (dt, da, ds)):
-            if int(tile) not in mems or int(addr) + (int(rows) - 1) * int(stride) + int(rb) > len(mems[int(tile)]):
-                raise UserError("package", f"exchange entry to or from tile {int(tile)} address {int(addr)} "
-                                "is out of range: the package is corrupt")
-        src = np.lib.stride_tricks.as_strided(mems[int(st)][int(sa):], (int(rows), int(rb)), (int(ss), 1))
-        staged.append((int(dt), int(da), int(ds), int(rows), int(rb), src.copy()))
-    for dt, da, ds, rows, rb, data in staged:
-        np.lib.stride_tricks.as_strided(mems[dt][da:], (rows, rb), (ds, 1))[...] = data
+    reads happen before any write (the exchange is a phase, not a sequence of copies); two
+    entries that write the same byte make the package corrupt."""
+    e = np.asarray(entries, dtype=np.int64).reshape(-1, 8)
+    if not len(e):
+        return
+    st, sa, ss, dt, da, ds, rows, rb = e.T
+    size = memory.shape[1]
+    ends = []
+    for tile, addr, stride in ((st, sa, ss), (dt, da, ds)):
+        known = (tile >= 0) & (tile < len(row_of))
+        row = np.where(known, row_of[np.where(known, tile, 0)], -1)
+        bad = (row < 0) | (addr < 0) | (addr + (rows - 1) * stride + rb > size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise UserError("package", f"exchange entry to or from tile {int(tile[i])} address {int(addr[i])} "
+                            "is out of range: the package is corrupt")
+        ends.append(row * size + addr)
+    # one record per row copied: flat source and destination offsets, and its length
+    live = (rows > 0) & (rb > 0)
+    count = rows[live]
+    entry = np.repeat(np.flatnonzero(live), count)
+    r = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    src = ends[0][entry] + r * ss[entry]
+    dst = ends[1][entry] + r * ds[entry]
+    length = rb[entry]
+    order = np.argsort(dst, kind="stable")
+    if np.any(dst[order][1:] < (dst + length)[order][:-1]):
+        raise UserError("package", "two exchange entries of one phase write the same bytes: "
+                        "the package is corrupt")
+    flat = memory.reshape(-1)
+    # rows whose offsets and length are multiples of 8 move as 8-byte words, the rest as bytes
+    wide = ((src | dst | length) % 8 == 0) & (flat.size % 8 == 0)
+    moves = []
+    for sel, view, unit in ((wide, flat.view(np.uint64), 8), (~wide, flat, 1)):
+        if sel.any():
+            n = length[sel] // unit
+            offs = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
+            moves.append((view, np.repeat(dst[sel] // unit, n) + offs,
+                          view[np.repeat(src[sel] // unit, n) + offs]))
+    for view, index, data in moves:
+        view[index] = data
+
+
+def _zeroed_memory(tiles: int, size: int) -> np.ndarray:
+    """``tiles`` rows of ``size`` zero bytes, in anonymous memory with ordinary pages: the pages a
+    package never touches (most of a tile's memory) cost nothing, where huge pages would have
+    every page zeroed by the kernel."""
+    if not tiles or not size:
+        return np.zeros((tiles, size), dtype=np.uint8)
+    region = mmap.mmap(-1, tiles * size)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype=np.uint8).reshape(tiles, size)
+
+
+def _row(row_of: np.ndarray, tile: int, name: str) -> int:
+    if row_of[tile] < 0:
+        raise UserError("package", f"binding of {name} names tile {tile}, which has no image: "
+                        "the package is corrupt")
+    return int(row_of[tile])
 
 
 def _read(mem, where):
