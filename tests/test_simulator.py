@@ -73,28 +73,33 @@ def out(name, n, tile, addr):
     return {"name": name, "dtype": "f32", "shape": [n], "scale_exp": 0, "ranges": [[0, 4 * n, tile, addr]]}
 
 
-def test_exchange_then_vertices_and_the_profile(objects, tmp_path, monkeypatch):
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_exchange_then_vertices_and_the_profile(objects, tmp_path, monkeypatch, threads):
     monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path))
+    monkeypatch.setenv("IPUBUILD_SIMULATOR_THREADS", threads)
     a, b = np.arange(8, dtype=np.float32), np.full(8, 10, np.float32)
     # step 0: tile 2 sends a to tile 0 (rows of 16 bytes), tile 0 adds b in place;
-    # step 1: tile 0 copies the sum to DATA + 512 on itself
+    # step 1: tile 0 copies the sum to DATA + 512 on itself; tile 3 doubles its own data in step 0
     programs = {0: [[0, [["add_f32", [DATA + 64, DATA, DATA + 64, 1, 8, 1]]]],
                     [1, [["copy", [DATA + 64, DATA + 512, 1, 32, 32, 32]]]]],
-                2: [[0, []]]}
+                2: [[0, []]],
+                3: [[0, [["add_f32", [DATA, DATA, DATA, 1, 4, 1]]]]]}
     entries = [[0, 2, DATA, 16, 0, DATA + 64, 16, 2, 16]]
-    pkg = package(objects, programs, entries, [out("sum", 8, 0, DATA + 512)],
-                  {0: {f"b@{DATA}": b}, 2: {f"a@{DATA}": a}})
+    pkg = package(objects, programs, entries, [out("sum", 8, 0, DATA + 512), out("twice", 4, 3, DATA)],
+                  {0: {f"b@{DATA}": b}, 2: {f"a@{DATA}": a}, 3: {f"c@{DATA}": np.ones(4, np.float32)}})
     run = Simulator().run(pkg, {}, tmp_path)
     np.testing.assert_array_equal(run.outputs["sum"], a + b)
+    np.testing.assert_array_equal(run.outputs["twice"], np.full(4, 2, np.float32))
     reg, x = registry(), MACHINE["exchange"]
     add = reg.kernels["add_f32"].cycles([DATA + 64, DATA, DATA + 64, 1, 8, 1], MACHINE)
     cp = reg.kernels["copy"].cycles([DATA + 64, DATA + 512, 1, 32, 32, 32], MACHINE)
     horizon = exchange.horizon_of([e[1:] for e in entries], MACHINE, False)
+    add3 = reg.kernels["add_f32"].cycles([DATA, DATA, DATA, 1, 4, 1], MACHINE)
     p = run.profile
-    assert p["ok"] and p["tiles_used"] == 2
-    assert [s["compute"] for s in p["steps"]] == [{"0": add}, {"0": cp}]
+    assert p["ok"] and p["tiles_used"] == 3
+    assert [s["compute"] for s in p["steps"]] == [{"0": add, "3": add3}, {"0": cp}]
     assert [s["exchange"] for s in p["steps"]] == [horizon, 0]
-    assert p["total_cycles"] == horizon + add + cp + 2 * x["sync_cycles"]
+    assert p["total_cycles"] == horizon + max(add, add3) + cp + 2 * x["sync_cycles"]
 
 
 def test_a_failing_vertex_is_reported(objects, tmp_path, monkeypatch, capsys):
@@ -127,3 +132,14 @@ def test_horizon_is_the_cost_models(paired):
                       r.integers(0, 4, n), r.choice([1, 8, 16, 63, 64], n)], axis=1).astype(np.int64)
         want = exchange.horizon_of(e.tolist(), MACHINE, paired) if n else 0
         assert horizon(e, MACHINE, paired) == want
+
+
+@pytest.mark.parametrize("value", ["0", "two", "-1"])
+def test_bad_thread_count_is_a_one_line_error(objects, tmp_path, monkeypatch, value):
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path))
+    monkeypatch.setenv("IPUBUILD_SIMULATOR_THREADS", value)
+    programs = {0: [[0, [["copy", [DATA, DATA + 64, 1, 16, 16, 16]]]]]}
+    pkg = package(objects, programs, [], [out("y", 4, 0, DATA + 64)], {0: {f"x@{DATA}": np.ones(4, np.float32)}})
+    with pytest.raises(UserError, match="IPUBUILD_SIMULATOR_THREADS: .* is not a positive whole number") as info:
+        Simulator().run(pkg, {}, tmp_path)
+    assert "\n" not in str(info.value)

@@ -12,9 +12,12 @@ out once, when the package is loaded.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +75,8 @@ class Simulator:
             tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
         host = m["host"]
         host_program = canonical.loads(pkg.member("host/program.json"))
-        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"])
+        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"],
+                     lanes=threads())
         log.info("application loaded and initial synchronization completed", tile_count=m["tiles"],
                  elapsed_ms=int((time.perf_counter() - t0) * 1000))
         log.info("invoking host exchange call", call='"initialize"', phases=host["initialize"]["phases"])
@@ -82,12 +86,12 @@ class Simulator:
                 memory[_row(row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
         log.info("invoking host exchange call", call='"run"', phases=host["run"]["phases"])
         ok = True
-        for s in range(host["run"]["phases"]):
-            run_exchange(memory, row_of, plan.entries[s])
-            for i, rc in plan.execute(s):
-                ok = False
-                tile, kname = plan.where[s][i]
-                log.warning("vertex failed", step=s, tile=tile, kernel=kname, code=rc)
+        with _pool(plan) as pool:
+            for s in range(host["run"]["phases"]):
+                run_exchange(memory, row_of, plan.entries[s])
+                for tile, kname, rc in plan.execute(s, pool):
+                    ok = False
+                    log.warning("vertex failed", step=s, tile=tile, kernel=kname, code=rc)
         sync = machine["exchange"]["sync_cycles"]
         steps, total = [], 0
         for s in range(host["run"]["phases"]):
@@ -124,10 +128,11 @@ class Simulator:
 
 class _Plan:
     """What the host calls do, worked out once from the loaded tiles: per step, the exchange
-    entries, the vertex calls (kernel, tile memory, arguments), each tile's compute cycles from
-    the kernels' estimators and the exchange horizon."""
+    entries and horizon, each tile's compute cycles from the kernels' estimators, and the vertex
+    calls (kernel, tile memory, arguments) split by tile into ``lanes`` lists of about equal
+    cycles, which may run at the same time (tiles share no memory)."""
 
-    def __init__(self, memory, programs, tables, machine, n_steps, paired):
+    def __init__(self, memory, programs, tables, machine, n_steps, paired, lanes=1):
         reg = registry()
         entries = np.concatenate(tables) if tables else np.zeros((0, 9), np.uint32)
         entries = entries[np.argsort(entries[:, 0], kind="stable")]
@@ -135,22 +140,20 @@ class _Plan:
         self.entries = [entries[bounds[s]:bounds[s + 1], 1:].astype(np.int64) for s in range(n_steps)]
         self.horizons = [horizon(e, machine, paired[s]) for s, e in enumerate(self.entries)]
         base, stride = memory.ctypes.data, memory.strides[0]
-        rows = {tile: row for row, tile in enumerate(programs)}
         args = [a for prog in programs.values() for verts in prog.values() for _, _, a in verts]
         self._args = np.array([x for a in args for x in a], dtype=np.uint32)   # kept alive: the calls point into it
         first = self._args.ctypes.data
         offsets = np.cumsum([0] + [len(a) for a in args]).tolist()
         estimates, pos = {}, 0
-        self.calls = [[] for _ in range(n_steps)]
-        self.where = [[] for _ in range(n_steps)]
         self.compute = [{} for _ in range(n_steps)]
-        for tile, prog in programs.items():
-            mem = base + rows[tile] * stride
+        self.lanes = [[[] for _ in range(lanes)] for _ in range(n_steps)]
+        load = [[0] * lanes for _ in range(n_steps)]
+        for row, (tile, prog) in enumerate(programs.items()):
+            mem = base + row * stride
             for s, verts in prog.items():
-                cycles = 0
+                cycles, calls = 0, []
                 for fn, kname, a in verts:
-                    self.calls[s].append((fn, mem, first + 4 * offsets[pos]))
-                    self.where[s].append((tile, kname))
+                    calls.append((fn, mem, first + 4 * offsets[pos], tile, kname))
                     key = (kname, *a)
                     if key not in estimates:
                         estimates[key] = int(reg.kernels[kname].cycles(a, machine))
@@ -158,10 +161,39 @@ class _Plan:
                     pos += 1
                 if verts:
                     self.compute[s][str(tile)] = cycles
+                    lane = load[s].index(min(load[s]))
+                    load[s][lane] += cycles
+                    self.lanes[s][lane].extend(calls)
 
-    def execute(self, step: int) -> list[tuple[int, int]]:
-        """Run one step's vertices; the (call index, return code) of those that failed."""
-        return [(i, rc) for i, (fn, mem, args) in enumerate(self.calls[step]) if (rc := fn(mem, args)) != 0]
+    def execute(self, step: int, pool=None) -> list[tuple[int, str, int]]:
+        """Run one step's vertices (the lanes after the first on ``pool``, if given); the (tile,
+        kernel, return code) of those that failed."""
+        first, *rest = self.lanes[step]
+        pending = [pool.submit(_call, lane) for lane in rest if lane] if pool else []
+        failed = _call(first) + [f for lane in rest if not pool for f in _call(lane)]
+        for p in pending:
+            failed += p.result()
+        return sorted(failed)
+
+
+def _call(calls) -> list[tuple[int, str, int]]:
+    return [(tile, kname, rc) for fn, mem, args, tile, kname in calls if (rc := fn(mem, args)) != 0]
+
+
+def threads() -> int:
+    """Threads that run vertices: ``$IPUBUILD_SIMULATOR_THREADS``, else 2 (or 1 on a one-CPU
+    machine). The results do not depend on it: each tile's vertices run in order on one thread."""
+    value = os.environ.get("IPUBUILD_SIMULATOR_THREADS", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise UserError("IPUBUILD_SIMULATOR_THREADS", f"{value!r} is not a positive whole number")
+        return int(value)
+    return min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+def _pool(plan):
+    lanes = len(plan.lanes[0]) if plan.lanes else 1
+    return ThreadPoolExecutor(lanes - 1) if lanes > 1 else contextlib.nullcontext()
 
 
 def horizon(entries: np.ndarray, machine: dict, paired: bool) -> int:

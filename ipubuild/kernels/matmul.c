@@ -109,7 +109,8 @@ IPU_VERTEX
         ad[i] = ipu_decode(&da, a, i);
     /* B as panels: element (p, j) at bp[(j / MM_NR) * k * MM_NR + p * MM_NR + j % MM_NR],
      * columns past n zero; read in B's own order */
-    memset(bp + (size_t)(n / MM_NR) * MM_NR * k, 0, sizeof(float) * (np - n / MM_NR * MM_NR) * k);
+    const size_t full = n / MM_NR * MM_NR;
+    memset(bp + full * k, 0, sizeof(float) * (np - full) * k);
     if (flags & MM_TRANS_B) {
         for (size_t j = 0; j < n; j++) {
             float *col = bp + j / MM_NR * MM_NR * k + j % MM_NR;
@@ -119,8 +120,14 @@ IPU_VERTEX
     } else {
         for (size_t p = 0; p < k; p++) {
             float *row = bp + p * MM_NR;
-            for (size_t j = 0; j < n; j++)
-                row[j / MM_NR * MM_NR * k + j % MM_NR] = ipu_decode(&db, b, p * n + j);
+            size_t j = 0;
+            for (; j < full; j += MM_NR) {
+                float *dst = row + j * k;
+                for (size_t t = 0; t < MM_NR; t++)
+                    dst[t] = ipu_decode(&db, b, p * n + j + t);
+            }
+            for (; j < n; j++)
+                row[full * k + j - full] = ipu_decode(&db, b, p * n + j);
         }
     }
 
