@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import mmap
 import os
 import time
@@ -95,18 +96,17 @@ class Simulator:
         sync = machine["exchange"]["sync_cycles"]
         steps, total = [], 0
         for s in range(host["run"]["phases"]):
-            compute = plan.compute[s]
-            slowest = max(compute.values(), default=0)
+            slowest = max((c for _, c in plan.compute[s]), default=0)
             total += plan.horizons[s] + slowest + sync
-            steps.append({"name": host_program["steps"][s], "exchange": plan.horizons[s], "compute": compute,
-                          "slowest": slowest, "sync": sync})
+            steps.append({"name": host_program["steps"][s], "exchange": plan.horizons[s],
+                          "compute": {str(t): c for t, c in plan.compute[s]}, "slowest": slowest, "sync": sync})
         outputs = {}
         for b in m["outputs"]:
             raw = np.zeros(int(np.prod(b["shape"])) * np.dtype(DTYPES[b["dtype"]]).itemsize, np.uint8)
             for off, size, tile, addr in b["ranges"]:
                 raw[off:off + size] = memory[_row(row_of, tile, b["name"]), addr:addr + size]
             outputs[b["name"]] = raw.view(DTYPES[b["dtype"]]).reshape(b["shape"])
-        trace = _trace(steps, machine)
+        trace = _trace(steps, plan.compute, machine)
         profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(used), "ok": ok,
                    "total_cycles": total, "samples": len(trace), "steps": steps}
         return DeviceRun(outputs, profile, trace)
@@ -141,29 +141,32 @@ class _Plan:
         self.horizons = [horizon(e, machine, paired[s]) for s, e in enumerate(self.entries)]
         base, stride = memory.ctypes.data, memory.strides[0]
         args = [a for prog in programs.values() for verts in prog.values() for _, _, a in verts]
-        self._args = np.array([x for a in args for x in a], dtype=np.uint32)   # kept alive: the calls point into it
-        first = self._args.ctypes.data
-        offsets = np.cumsum([0] + [len(a) for a in args]).tolist()
+        lengths = np.fromiter(map(len, args), dtype=np.int64, count=len(args))
+        # kept alive: the calls point into it
+        self._args = np.fromiter(itertools.chain.from_iterable(args), dtype=np.uint32, count=int(lengths.sum()))
+        addresses = (self._args.ctypes.data + 4 * (np.cumsum(lengths) - lengths)).tolist()
         estimates, pos = {}, 0
-        self.compute = [{} for _ in range(n_steps)]
+        self.compute = [[] for _ in range(n_steps)]          # (tile, cycles) in tile order
         self.lanes = [[[] for _ in range(lanes)] for _ in range(n_steps)]
         load = [[0] * lanes for _ in range(n_steps)]
         for row, (tile, prog) in enumerate(programs.items()):
             mem = base + row * stride
             for s, verts in prog.items():
+                if not verts:
+                    continue
                 cycles, calls = 0, []
                 for fn, kname, a in verts:
-                    calls.append((fn, mem, first + 4 * offsets[pos], tile, kname))
                     key = (kname, *a)
-                    if key not in estimates:
-                        estimates[key] = int(reg.kernels[kname].cycles(a, machine))
-                    cycles += estimates[key]
+                    c = estimates.get(key)
+                    if c is None:
+                        c = estimates[key] = int(reg.kernels[kname].cycles(a, machine))
+                    cycles += c
+                    calls.append((fn, mem, addresses[pos], tile, kname))
                     pos += 1
-                if verts:
-                    self.compute[s][str(tile)] = cycles
-                    lane = load[s].index(min(load[s]))
-                    load[s][lane] += cycles
-                    self.lanes[s][lane].extend(calls)
+                self.compute[s].append((tile, cycles))
+                lane = load[s].index(min(load[s]))
+                load[s][lane] += cycles
+                self.lanes[s][lane].extend(calls)
 
     def execute(self, step: int, pool=None) -> list[tuple[int, str, int]]:
         """Run one step's vertices (the lanes after the first on ``pool``, if given); the (tile,
@@ -221,13 +224,10 @@ def horizon(entries: np.ndarray, machine: dict, paired: bool) -> int:
     b = np.where(local, local_port, ports + recv)
     order = np.argsort(-nbytes, kind="stable")
     free = [0] * (3 * ports)
-    end = 0
     for pa, pb, d in zip(a[order].tolist(), b[order].tolist(), dur[order].tolist()):
         fa, fb = free[pa], free[pb]
-        free[pa] = free[pb] = t = (fa if fa > fb else fb) + d
-        if t > end:
-            end = t
-    return end
+        free[pa] = free[pb] = (fa if fa > fb else fb) + d
+    return max(free)   # a port's last transfer ends last on it
 
 
 def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
@@ -301,18 +301,22 @@ def _read(mem, where):
     return mem[addr:addr + size].tobytes()
 
 
-def _trace(steps, machine) -> list:
-    """Chrome trace events: one track per tile, one slice per compute and exchange phase (µs)."""
+def _trace(steps, compute, machine) -> list:
+    """Chrome trace events: one track per tile, one slice per compute and exchange phase (µs);
+    ``compute[s]`` is step s's (tile, cycles) in tile order."""
     us = 1e6 / machine["clock_hz"]
-    events, clock = [], 0
-    for s in steps:
+    events, clock, dur = [], 0, {}
+    for s, tiles in zip(steps, compute):
         if s["exchange"]:
             events.append({"name": f"exchange {s['name']}", "ph": "X", "pid": 0, "tid": 0,
                            "ts": round(clock * us, 3), "dur": round(s["exchange"] * us, 3)})
         start = clock + s["exchange"]
-        for tile, c in sorted(s["compute"].items(), key=lambda kv: int(kv[0])):
-            events.append({"name": s["name"], "ph": "X", "pid": 0, "tid": int(tile) + 1,
-                           "ts": round(start * us, 3), "dur": round(c * us, 3), "args": {"cycles": c}})
+        name, ts = s["name"], round(start * us, 3)
+        for tile, c in tiles:
+            if c not in dur:
+                dur[c] = round(c * us, 3)
+            events.append({"name": name, "ph": "X", "pid": 0, "tid": tile + 1, "ts": ts, "dur": dur[c],
+                           "args": {"cycles": c}})
         clock = start + s["slowest"] + s["sync"]
     return events
 
