@@ -52,28 +52,7 @@ class Simulator:
         m = pkg.manifest
         t0 = time.perf_counter()
         log.info("loading application", tile_count=m["tiles"])
-        kernels = self._load_kernels(pkg, workdir)
-        idle = m["idle_image"]
-        used = [t for t, digest in enumerate(m["tile_images"]) if digest != idle]
-        row_of = np.full(m["tiles"], -1, dtype=np.int64)
-        row_of[used] = np.arange(len(used))
-        memory = _zeroed_memory(len(used), machine["sram_end"])
-        programs, tables = {}, []
-        for row, tile in enumerate(used):
-            header, blobs = pkg.images[m["tile_images"][tile]]
-            mem = memory[row]
-            names = {}
-            for kind, name, addr, size, _ in header["segments"]:
-                if kind == "kernel":
-                    names[name] = kernels[name]
-                    continue
-                raw = blobs[kind] if kind in ("program", "exchange") else blobs[f"data@{addr}"]
-                mem[addr:addr + size] = np.frombuffer(raw, dtype=np.uint8)
-                if kind in ("program", "exchange"):
-                    names[f"@{kind}"] = (addr, size)
-            kn, steps = codegen.decode_program(_read(mem, names["@program"]))
-            programs[tile] = {s: [(names[kn[k]], kn[k], a) for k, a in verts] for s, verts in steps}
-            tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
+        memory, row_of, programs, tables = self._load(pkg, machine, workdir)
         host = m["host"]
         host_program = canonical.loads(pkg.member("host/program.json"))
         plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"],
@@ -107,9 +86,38 @@ class Simulator:
                 raw[off:off + size] = memory[_row(row_of, tile, b["name"]), addr:addr + size]
             outputs[b["name"]] = raw.view(DTYPES[b["dtype"]]).reshape(b["shape"])
         trace = _trace(steps, plan.compute, machine)
-        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(used), "ok": ok,
+        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(memory), "ok": ok,
                    "total_cycles": total, "samples": len(trace), "steps": steps}
         return DeviceRun(outputs, profile, trace)
+
+    def _load(self, pkg, machine, workdir):
+        """Every used tile's memory filled from its image (rows of one array; ``row_of[tile]``,
+        -1 for idle tiles), its decoded program ``{step: [(kernel function, name, args)]}``
+        and its exchange table."""
+        m = pkg.manifest
+        kernels = self._load_kernels(pkg, workdir)
+        idle = m["idle_image"]
+        used = [t for t, digest in enumerate(m["tile_images"]) if digest != idle]
+        row_of = np.full(m["tiles"], -1, dtype=np.int64)
+        row_of[used] = np.arange(len(used))
+        memory = _zeroed_memory(len(used), machine["sram_end"])
+        programs, tables = {}, []
+        for row, tile in enumerate(used):
+            header, blobs = pkg.images[m["tile_images"][tile]]
+            mem = memory[row]
+            names = {}
+            for kind, name, addr, size, _ in header["segments"]:
+                if kind == "kernel":
+                    names[name] = kernels[name]
+                    continue
+                raw = blobs[kind] if kind in ("program", "exchange") else blobs[f"data@{addr}"]
+                mem[addr:addr + size] = np.frombuffer(raw, dtype=np.uint8)
+                if kind in ("program", "exchange"):
+                    names[f"@{kind}"] = (addr, size)
+            kn, steps = codegen.decode_program(_read(mem, names["@program"]))
+            programs[tile] = {s: [(names[kn[k]], kn[k], a) for k, a in verts] for s, verts in steps}
+            tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
+        return memory, row_of, programs, tables
 
     def _load_kernels(self, pkg, workdir):
         out = {}
@@ -135,7 +143,8 @@ class _Plan:
     def __init__(self, memory, programs, tables, machine, n_steps, paired, lanes=1):
         reg = registry()
         entries = np.concatenate(tables) if tables else np.zeros((0, 9), np.uint32)
-        entries = entries[np.argsort(entries[:, 0], kind="stable")]
+        step = entries[:, 0].astype(np.uint16) if n_steps <= 2 ** 16 else entries[:, 0]   # radix sort
+        entries = entries[np.argsort(step, kind="stable")]
         bounds = np.searchsorted(entries[:, 0], np.arange(n_steps + 1))
         self.entries = [entries[bounds[s]:bounds[s + 1], 1:].astype(np.int64) for s in range(n_steps)]
         self.horizons = [horizon(e, machine, paired[s]) for s, e in enumerate(self.entries)]
@@ -264,17 +273,21 @@ def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
         raise UserError("package", "two exchange entries of one phase write the same bytes: "
                         "the package is corrupt")
     flat = memory.reshape(-1)
-    # rows whose offsets and length are multiples of 8 move as 8-byte words, the rest as bytes
+    # rows whose offsets and length are multiples of 8 move as 8-byte words, the rest as bytes;
+    # the rows of one length n move as rows of a view whose row i is the n units from unit i
     wide = ((src | dst | length) % 8 == 0) & (flat.size % 8 == 0)
     moves = []
-    for sel, view, unit in ((wide, flat.view(np.uint64), 8), (~wide, flat, 1)):
-        if sel.any():
-            n = length[sel] // unit
-            offs = np.arange(n.sum()) - np.repeat(np.cumsum(n) - n, n)
-            moves.append((view, np.repeat(dst[sel] // unit, n) + offs,
-                          view[np.repeat(src[sel] // unit, n) + offs]))
-    for view, index, data in moves:
-        view[index] = data
+    for sel, units in ((wide, flat.view(np.uint64) if flat.size % 8 == 0 else flat), (~wide, flat)):
+        if not sel.any():
+            continue
+        unit = units.itemsize
+        n_units, s_units, d_units = length[sel] // unit, src[sel] // unit, dst[sel] // unit
+        for n in np.unique(n_units).tolist():
+            rows_n = n_units == n
+            window = np.lib.stride_tricks.as_strided(units, (units.size - n + 1, n), (unit, unit))
+            moves.append((window, d_units[rows_n], window[s_units[rows_n]]))
+    for window, rows_at, data in moves:
+        window[rows_at] = data
 
 
 def _zeroed_memory(tiles: int, size: int) -> np.ndarray:
