@@ -6,9 +6,10 @@ phase by phase: the exchange copies exactly what the tables say, then every tile
 the compiled C kernels with pointers into that tile's memory, then a sync. Cycles come from the
 kernels' estimators and the exchange horizons, as in the cost model.
 
-The used tiles' memories are the rows of one array, so that an exchange phase is one gather and
-one scatter over it; each step's vertex calls, their cycles and the exchange horizons are worked
-out once, when the package is loaded.
+The used tiles' memories are the rows of one array, so that an exchange phase is a few gathers
+and scatters over it (one per row length); each step's vertex calls, their cycles and the
+exchange horizons are worked out once, when the package is loaded, and the vertices of a step
+run on a few threads (tiles share no memory, so the results do not depend on it).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ class Simulator:
     name = "ipumodel"
 
     def run(self, package: bytes, inputs: dict, workdir: Path) -> DeviceRun:
+        lanes = threads()
         log.info("reading application package")
         pkg = Package(package, "package")
         m = pkg.manifest
@@ -46,17 +48,16 @@ class Simulator:
         with device_ownership(self.name):
             log.info("opening IPU device", path='"ipumodel:0"')
             log.info("IPU device initialized")
-            return self._run(pkg, machine, inputs, workdir)
+            return self._run(pkg, machine, inputs, workdir, lanes)
 
-    def _run(self, pkg, machine, inputs, workdir):
+    def _run(self, pkg, machine, inputs, workdir, lanes):
         m = pkg.manifest
         t0 = time.perf_counter()
         log.info("loading application", tile_count=m["tiles"])
         memory, row_of, programs, tables = self._load(pkg, machine, workdir)
         host = m["host"]
         host_program = canonical.loads(pkg.member("host/program.json"))
-        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"],
-                     lanes=threads())
+        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"], lanes)
         log.info("application loaded and initial synchronization completed", tile_count=m["tiles"],
                  elapsed_ms=int((time.perf_counter() - t0) * 1000))
         log.info("invoking host exchange call", call='"initialize"', phases=host["initialize"]["phases"])
@@ -69,7 +70,7 @@ class Simulator:
         with _pool(plan) as pool:
             for s in range(host["run"]["phases"]):
                 run_exchange(memory, row_of, plan.entries[s])
-                for tile, kname, rc in plan.execute(s, pool):
+                for _, tile, kname, rc in plan.execute(s, pool):
                     ok = False
                     log.warning("vertex failed", step=s, tile=tile, kernel=kname, code=rc)
         sync = machine["exchange"]["sync_cycles"]
@@ -158,6 +159,7 @@ class _Plan:
         self.compute = [[] for _ in range(n_steps)]          # (tile, cycles) in tile order
         self.lanes = [[[] for _ in range(lanes)] for _ in range(n_steps)]
         load = [[0] * lanes for _ in range(n_steps)]
+        seq = [0] * n_steps                                     # a call's place in its step
         for row, (tile, prog) in enumerate(programs.items()):
             mem = base + row * stride
             for s, verts in prog.items():
@@ -165,21 +167,22 @@ class _Plan:
                     continue
                 cycles, calls = 0, []
                 for fn, kname, a in verts:
+                    seq[s] += 1
                     key = (kname, *a)
                     c = estimates.get(key)
                     if c is None:
                         c = estimates[key] = int(reg.kernels[kname].cycles(a, machine))
                     cycles += c
-                    calls.append((fn, mem, addresses[pos], tile, kname))
+                    calls.append((fn, mem, addresses[pos], seq[s], tile, kname))
                     pos += 1
                 self.compute[s].append((tile, cycles))
                 lane = load[s].index(min(load[s]))
                 load[s][lane] += cycles
                 self.lanes[s][lane].extend(calls)
 
-    def execute(self, step: int, pool=None) -> list[tuple[int, str, int]]:
-        """Run one step's vertices (the lanes after the first on ``pool``, if given); the (tile,
-        kernel, return code) of those that failed."""
+    def execute(self, step: int, pool=None) -> list[tuple[int, int, str, int]]:
+        """Run one step's vertices (the lanes after the first on ``pool``, if given); the (place
+        in the step, tile, kernel, return code) of those that failed, in program order."""
         first, *rest = self.lanes[step]
         pending = [pool.submit(_call, lane) for lane in rest if lane] if pool else []
         failed = _call(first) + [f for lane in rest if not pool for f in _call(lane)]
@@ -188,8 +191,8 @@ class _Plan:
         return sorted(failed)
 
 
-def _call(calls) -> list[tuple[int, str, int]]:
-    return [(tile, kname, rc) for fn, mem, args, tile, kname in calls if (rc := fn(mem, args)) != 0]
+def _call(calls) -> list[tuple[int, int, str, int]]:
+    return [(seq, tile, kname, rc) for fn, mem, args, seq, tile, kname in calls if (rc := fn(mem, args)) != 0]
 
 
 def threads() -> int:
