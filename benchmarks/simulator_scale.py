@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TARGETS = ["targets/vit_fp8.toml", "benchmarks/targets/vit_s16_1472.toml"]
 SCHEMA = 1
+CACHE_SIZE = 64 * 2**30
 
 
 # the worker: runs inside the code under test ----------------------------------------------------
@@ -115,8 +116,10 @@ def run_worker(code: Path, label: str, target: Path, work: Path, repeats: int, t
     (tree / "targets").mkdir(parents=True, exist_ok=True)
     shutil.copyfile(target, tree / "targets" / target.name)
     log = work / f"{label}-{target.stem}.log"
+    # a cache large enough that nothing is evicted between the build and the timed runs
     env = dict(os.environ, PYTHONPATH=str(code), IPUBUILD_CACHE_DIR=str(work / "cache"),
-               IPUBUILD_DEVICE_LOCK_DIR=str(work / "locks"), PYTHONUNBUFFERED="1")
+               IPUBUILD_CACHE_SIZE=str(CACHE_SIZE), IPUBUILD_DEVICE_LOCK_DIR=str(work / "locks"),
+               PYTHONUNBUFFERED="1")
     if threads:
         env["IPUBUILD_SIMULATOR_THREADS"] = str(threads)
     (work / "locks").mkdir(exist_ok=True)
