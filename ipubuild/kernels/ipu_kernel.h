@@ -105,7 +105,7 @@ static inline float ipu_fp8_to_float(uint8_t code, int type)
     uint32_t e = (code >> mbits) & (0x7fu >> mbits);
     uint32_t m = code & ((1u << mbits) - 1u);
     if (e == 0) {
-        float v = ldexpf((float)m, 1 - bias - mbits); /* exact */
+        float v = (float)m * ipu_f32_from_bits((uint32_t)(127 + 1 - bias - mbits) << 23); /* exact */
         return sign ? -v : v;
     }
     return ipu_f32_from_bits(sign | ((e - (uint32_t)bias + 127u) << 23) | (m << (23 - mbits)));

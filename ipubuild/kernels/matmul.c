@@ -102,9 +102,13 @@ IPU_VERTEX
         return 2;
     float *bp = ad + (size_t)m * k;
 
-    ipu_decoder da, db;
+    ipu_decoder da, db_table;
     ipu_decoder_init(&da, A_TYPE);
-    ipu_decoder_init(&db, B_TYPE);
+    const ipu_decoder *db = &da;
+    if (B_TYPE != A_TYPE) {
+        ipu_decoder_init(&db_table, B_TYPE);
+        db = &db_table;
+    }
     for (size_t i = 0; i < (size_t)m * k; i++)
         ad[i] = ipu_decode(&da, a, i);
     /* B as panels: element (p, j) at bp[(j / MM_NR) * k * MM_NR + p * MM_NR + j % MM_NR],
@@ -115,7 +119,7 @@ IPU_VERTEX
         for (size_t j = 0; j < n; j++) {
             float *col = bp + j / MM_NR * MM_NR * k + j % MM_NR;
             for (size_t p = 0; p < k; p++)
-                col[p * MM_NR] = ipu_decode(&db, b, j * k + p);
+                col[p * MM_NR] = ipu_decode(db, b, j * k + p);
         }
     } else {
         for (size_t p = 0; p < k; p++) {
@@ -124,10 +128,10 @@ IPU_VERTEX
             for (; j < full; j += MM_NR) {
                 float *dst = row + j * k;
                 for (size_t t = 0; t < MM_NR; t++)
-                    dst[t] = ipu_decode(&db, b, p * n + j + t);
+                    dst[t] = ipu_decode(db, b, p * n + j + t);
             }
             for (; j < n; j++)
-                row[full * k + j - full] = ipu_decode(&db, b, p * n + j);
+                row[full * k + j - full] = ipu_decode(db, b, p * n + j);
         }
     }
 
