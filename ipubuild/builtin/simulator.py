@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import itertools
 import mmap
 import os
@@ -40,15 +41,16 @@ class Simulator:
 
     def run(self, package: bytes, inputs: dict, workdir: Path) -> DeviceRun:
         lanes = threads()
-        log.info("reading application package")
-        pkg = Package(package, "package")
-        m = pkg.manifest
-        machine = m["machine"]
-        log.info("application package read", tiles=m["tiles"], compiler=pkg.compiler)
-        with device_ownership(self.name):
-            log.info("opening IPU device", path='"ipumodel:0"')
-            log.info("IPU device initialized")
-            return self._run(pkg, machine, inputs, workdir, lanes)
+        with _without_gc():
+            log.info("reading application package")
+            pkg = Package(package, "package")
+            m = pkg.manifest
+            machine = m["machine"]
+            log.info("application package read", tiles=m["tiles"], compiler=pkg.compiler)
+            with device_ownership(self.name):
+                log.info("opening IPU device", path='"ipumodel:0"')
+                log.info("IPU device initialized")
+                return self._run(pkg, machine, inputs, workdir, lanes)
 
     def _run(self, pkg, machine, inputs, workdir, lanes):
         m = pkg.manifest
@@ -204,6 +206,19 @@ def threads() -> int:
             raise UserError("IPUBUILD_SIMULATOR_THREADS", f"{value!r} is not a positive whole number")
         return int(value)
     return min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _without_gc():
+    """No cyclic garbage collection while the run builds its (acyclic) tables: at scale it
+    holds millions of small objects, and each collection would walk them all."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _pool(plan):
