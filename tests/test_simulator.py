@@ -2,6 +2,7 @@
 vertices, the profile, failing vertices and corrupt bindings."""
 from __future__ import annotations
 
+import gc
 import shutil
 
 import numpy as np
@@ -90,6 +91,7 @@ def test_exchange_then_vertices_and_the_profile(objects, tmp_path, monkeypatch, 
     run = Simulator().run(pkg, {}, tmp_path)
     np.testing.assert_array_equal(run.outputs["sum"], a + b)
     np.testing.assert_array_equal(run.outputs["twice"], np.full(4, 2, np.float32))
+    assert gc.isenabled()
     reg, x = registry(), MACHINE["exchange"]
     add = reg.kernels["add_f32"].cycles([DATA + 64, DATA, DATA + 64, 1, 8, 1], MACHINE)
     cp = reg.kernels["copy"].cycles([DATA + 64, DATA + 512, 1, 32, 32, 32], MACHINE)
@@ -118,6 +120,7 @@ def test_output_on_an_idle_tile_is_a_package_error(objects, tmp_path, monkeypatc
     with pytest.raises(UserError, match="names tile 3, which has no image") as info:
         Simulator().run(pkg, {}, tmp_path)
     assert "\n" not in str(info.value)
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("paired", [False, True])
