@@ -113,8 +113,12 @@ class Estimator:
         for op in graph.ops:
             for p in self._producers[op.id]:
                 self._consumers[p].add(op.id)
-        mem = machine["memory"]
+        mem, code = machine["memory"], machine["code"]
         self.cap = int((mem["loader_limit"] - mem["sram_base"]) * mem["constant_fraction"])
+        # generated code lives in the executable region after the host-exchange handler
+        code_address = -(-(mem["host_code_base"] + code["host_code_bytes"]) // 64) * 64
+        self.code_cap = mem["executable_end"] - code_address
+        self.kernel_bytes = code["reservation_quantum"]     # a kernel's reservation, at least
         self._isz = collections.defaultdict(lambda: 4)   # temporaries are f32
         self._isz.update({f"v{v}": val.itemsize for v, val in graph.values.items()})
         self._terms, self._writes, self._work = {}, {}, {}
@@ -183,15 +187,34 @@ class Estimator:
             load.update((self.term(op, layout, res) or (0, 0, {}))[2])
         return load
 
+    def code_load(self, layout: dict) -> collections.Counter:
+        """An estimate of each tile's generated code: its kernels' reservations (one quantum
+        each, at least), its tile program and its exchange table (an entry per fragment it
+        sends, before coalescing: an upper bound)."""
+        res = self.resolve(layout)
+        load, kernels = collections.Counter(), collections.defaultdict(set)
+        for op in self.g.ops:
+            term = self.term(op, layout, res)
+            if term is None:
+                continue
+            load.update(term[3])
+            for tile, names in term[4].items():
+                kernels[tile] |= names
+        for tile, names in kernels.items():
+            load[tile] += len(names) * self.kernel_bytes
+        return load
+
     def fits(self, layout: dict) -> bool:
-        """Whether the layout is valid and every tile's constants stay under the planning cap
-        of tile memory."""
+        """Whether the layout is valid, every tile's constants stay under the planning cap of
+        tile memory, and its code (estimated) fits the executable region."""
         return self.estimate(layout) is not None and \
-            max(self.constant_load(layout).values(), default=0) <= self.cap
+            max(self.constant_load(layout).values(), default=0) <= self.cap and \
+            max(self.code_load(layout).values(), default=0) <= self.code_cap
 
     def term(self, op, layout, resolved: dict | None = None) -> tuple | None:
-        """(estimated cycles, busiest-port bytes, {tile: constant bytes}) of one operation, or
-        None if its plan cannot follow its producer."""
+        """(estimated cycles, busiest-port bytes, {tile: constant bytes}, {tile: code bytes
+        besides kernels}, {tile: kernel names}) of one operation, or None if its plan cannot
+        follow its producer."""
         res = resolved or self.resolve(layout)
         key = (op.id, res[op.id], tuple((p, res[p]) for p in self._producers[op.id]))
         if key not in self._terms:
@@ -222,10 +245,13 @@ class Estimator:
         if k not in self._work:
             kernels = self.resolver.reg.kernels
             stages, consts = [], {}
+            program, names = collections.Counter(), collections.defaultdict(set)   # per logical tile
             for st in self.resolver.lowering(op, choice).stages:
                 compute = collections.Counter()
                 reads: dict[str, dict] = {}
                 for w in st:
+                    program[w.tile] += 8 + sum(4 + 4 * len(a) for _, a in w.vertices)
+                    names[w.tile].update(n for n, _ in w.vertices)
                     compute[w.tile] += sum(int(kernels[n].cycles(scalar_args(a), self.m)) for n, a in w.vertices)
                     for blk in w.reads:
                         if blk[0] in self.const_keys:
@@ -236,7 +262,8 @@ class Estimator:
                                {vk: np.array(list(r), dtype=np.int64).reshape(-1, 5) for vk, r in reads.items()},
                                [(w.tile, blk) for w in st for blk in w.writes]))
             tiles = np.array([t for t, _ in consts], dtype=np.int64)
-            self._work[k] = (stages, tiles, np.array(list(consts.values()), dtype=np.int64))
+            self._work[k] = (stages, tiles, np.array(list(consts.values()), dtype=np.int64),
+                             dict(program), {t: frozenset(n) for t, n in names.items()})
         return self._work[k]
 
     def _compute(self, op, res) -> tuple:
@@ -247,7 +274,8 @@ class Estimator:
         choice, offset = res[op.id]
         sync = self.m["exchange"]["sync_cycles"]
         total = pressure = 0
-        stages, const_tiles, const_bytes = self._stages(op, choice)
+        stages, const_tiles, const_bytes, program, names = self._stages(op, choice)
+        code = collections.Counter({(offset + t) % self.T: b for t, b in program.items()})
         for compute, reads, writes in stages:
             port = _Ports(self.T)
             for vk, logical in reads.items():
@@ -263,8 +291,11 @@ class Estimator:
                 own[blk[0]].add((offset + t) % self.T, True, blk[1:])
             pressure += port.pressure()
             total += port.horizon() + compute + sync
+            for tile in np.flatnonzero(port.table).tolist():
+                code[tile] += int(port.table[tile])
         load = np.bincount((offset + const_tiles) % self.T, weights=const_bytes, minlength=1) if len(const_tiles) else []
-        return total, pressure, {int(t): int(b) for t, b in enumerate(load) if b}
+        return (total, pressure, {int(t): int(b) for t, b in enumerate(load) if b}, dict(code),
+                {(offset + t) % self.T: n for t, n in names.items()})
 
     def _exchange(self, port: "_Ports", reads: np.ndarray, blocks: Blocks, vk: str) -> None:
         """Charge the ports for gathering ``reads`` (rows ``[tile, r0, r1, c0, c1]``) from where
@@ -295,8 +326,10 @@ class Estimator:
         # one send per distinct fragment (source tile, stored block, intersection, rows), told
         # apart by a hash of its fields (np.unique over rows would cost more than the rest)
         key = row_keys(np.stack([src, *sb.T, ir0, ir1, ic0, ic1, rows], axis=1)[far])
-        _, first = np.unique(key, return_index=True)
+        _, first, receivers = np.unique(key, return_index=True, return_counts=True)
         port.add("send", src[far][first], cycles[first], nbytes[far][first])
+        # the sender's table: an entry per fragment, and each of its receivers
+        np.add.at(port.table, src[far][first], 28 + 12 * receivers)
 
 
 class _Ports:
@@ -306,6 +339,7 @@ class _Ports:
     def __init__(self, tiles: int):
         self.busy = {k: np.zeros(tiles, np.int64) for k in ("local", "recv", "send")}
         self.moved = {k: np.zeros(tiles, np.int64) for k in ("recv", "send")}
+        self.table = np.zeros(tiles, np.int64)        # exchange-table bytes each tile adds
 
     def add(self, kind: str, tiles: np.ndarray, cycles: np.ndarray, nbytes: np.ndarray | None) -> None:
         np.add.at(self.busy[kind], tiles, cycles)
@@ -593,7 +627,15 @@ def initial_layout(sc: SearchContext, found) -> dict:
     every tile's constants under the cap."""
     layout = default_layout(sc.graph, sc.tile_count)
     reg = registry()
-    cursor, load = 0, collections.Counter()
+    est = sc.estimator
+    cursor, load, code, kernels = 0, collections.Counter(), collections.Counter(), collections.defaultdict(set)
+
+    def overflow(term) -> bool:
+        _, _, consts, program, names = term
+        return any(load[t] + b > est.cap for t, b in consts.items()) or any(
+            code[t] + b + len(names.get(t, set()) - kernels[t]) * est.kernel_bytes > est.code_cap
+            for t, b in program.items())
+
     for op in sc.graph.ops:
         n = len(sc.plans[op.id])
         follow = [i for i, p in enumerate(sc.plans[op.id]) if "follow" in p]
@@ -606,27 +648,43 @@ def initial_layout(sc: SearchContext, found) -> dict:
             t = _term(sc, op, layout, p)
             if t is None:
                 continue
-            cost, _, consts = t
-            over = any(load[t] + b > sc.estimator.cap for t, b in consts.items())
-            if best is None or (over, cost) < best[:2]:
-                best = (over, cost, p, consts)
+            key = (overflow(t), t[0])
+            if best is None or key < best[0]:
+                best = (key, p)
         choice = layout["ops"][str(op.id)]
-        choice["plan"] = best[2]
-        load.update(best[3])
-        if "follow" in sc.plans[op.id][best[2]]:
-            choice["offset"] = sc.estimator.resolve(layout)[op.id][1]
-            continue
-        # on a machine much larger than the operation, give it fresh tiles (spreading code and
-        # data over the machine); otherwise start where its first producer starts
-        used = len({w.tile for st in sc.estimator.lowering(op, layout).stages for w in st})
-        if used * SPREAD_FACTOR <= sc.tile_count:
-            choice["offset"] = cursor
-            cursor = (cursor + used) % sc.tile_count
-        else:
-            producer = next((sc.producer[v] for v in op.inputs if v in sc.producer), None)
-            if producer is not None:
-                choice["offset"] = sc.estimator.resolve(layout)[producer.id][1]
+        choice["plan"] = best[1]
+        if "follow" not in sc.plans[op.id][best[1]]:
+            choice["offset"] = _offset(sc, op, layout, cursor, overflow)
+            used = len({w.tile for st in est.lowering(op, layout).stages for w in st})
+            if used * SPREAD_FACTOR <= sc.tile_count:
+                cursor = (cursor + used) % sc.tile_count
+        t = est.term(op, layout)
+        load.update(t[2])
+        code.update(t[3])
+        for tile, names in t[4].items():
+            code[tile] += len(names - kernels[tile]) * est.kernel_bytes
+            kernels[tile] |= names
     return layout
+
+
+def _offset(sc, op, layout, cursor: int, overflow) -> int:
+    """Where ``op`` (on a plan of its own) starts. On a machine much larger than the
+    operation, at the cursor: fresh tiles, spreading code and data over the machine.
+    Otherwise where its first producer starts (its data is there), unless that overflows a
+    tile's constants or code and the cursor does not."""
+    est, choice = sc.estimator, layout["ops"][str(op.id)]
+    choice["offset"] = cursor
+    used = len({w.tile for st in est.lowering(op, layout).stages for w in st})
+    producer = next((sc.producer[v] for v in op.inputs if v in sc.producer), None)
+    if used * SPREAD_FACTOR <= sc.tile_count or producer is None:
+        return cursor
+    at_producer = est.resolve(layout)[producer.id][1]
+    for offset in (at_producer, cursor):
+        choice["offset"] = offset
+        t = est.term(op, layout)
+        if t is not None and not overflow(t):
+            return offset
+    return at_producer
 
 
 def _term(sc, op, layout, plan):

@@ -23,8 +23,8 @@ from ipubuild import explain
 from ipubuild.progress import Activity
 
 TEXT = SMALL.replace("rounds = 3", "rounds = 1")
-CLOSING = ("final_cycles=", "profile=", "referenceMinimumCosineSimilarity=", "referenceMaximumAbsoluteError=",
-           "package=")
+CLOSING = ("final_cycles=", "profile=", "float32MinimumCosineSimilarity=", "referenceMinimumCosineSimilarity=",
+           "referenceMaximumAbsoluteError=", "package=")
 WARNING_C = "\nstatic int ipubuild_probe(void) { int unused_here; return 0; }\n"
 
 
@@ -57,9 +57,9 @@ def lines(text: str) -> list[str]:
 
 
 def assert_ends_with_closing_lines(out: str) -> None:
-    tail = lines(out)[-5:]
+    tail = lines(out)[-len(CLOSING):]
     assert [ln.split("=")[0] + "=" for ln in tail] == [c.split("=")[0] + "=" for c in CLOSING], out
-    assert "numericalTest=PASS" in tail[3] and "deviceTest=PASS" in tail[4], out
+    assert "numericalTest=PASS" in tail[4] and "deviceTest=PASS" in tail[5], out
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_a_no_op_says_up_to_date_and_keeps_the_last_log_and_trace(built, cache):
     assert run.returncode == 0, run.tail()
     out = lines(run.stdout + run.stderr)
     assert re.fullmatch(r"small is up to date \(\d+ tasks checked, [\d.]+ s\)", out[0]), out
-    assert len(out) == 6, out
+    assert len(out) == 1 + len(CLOSING), out
     assert_ends_with_closing_lines(run.stdout)
     for name, data in keep.items():
         assert (tree / "artifacts" / "small" / name).read_bytes() == data, name
