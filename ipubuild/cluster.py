@@ -115,8 +115,10 @@ class Cluster:
         import logging
 
         import distributed
-        # a lost scheduler is reported in one warning line: not in distributed's tracebacks
-        logging.getLogger("distributed").setLevel(logging.CRITICAL)
+        # a lost scheduler is reported in one warning line, not in distributed's tracebacks
+        for name in ["distributed", *logging.root.manager.loggerDict]:
+            if name.split(".")[0] == "distributed":
+                logging.getLogger(name).setLevel(logging.CRITICAL)
         self.distributed, self.address = distributed, address
         self.timeout, self.stall = connect_timeout(), stall_timeout()
         try:
