@@ -132,6 +132,7 @@ class Cluster:
             self.close()
             raise Lost(f"has no workers (waited {self.timeout:g} s)") from None
         self._threads, self._asked, self._no_workers = self._nthreads(), time.monotonic(), None
+        self._warming: list = []
         atexit.register(self.close)
         log.info("connected to the cluster", scheduler=address, workers=len(self._threads),
                  threads=sum(self._threads.values()))
@@ -175,7 +176,8 @@ class Cluster:
                     continue
                 _record(engine, name, inputs, config, key, got)
                 results[i] = Result(dict(got["outputs"]), False, int(got["seconds"] * 1000), key)
-            _trace(f"worker:{what}", value)
+            _trace(f"worker:{what}", value, sum(map(len, chunks[c]["payload"]["blobs"].values())),
+                   sum(len(b) for got in value["results"] for b in got.get("blobs", {}).values()))
 
         if chunks:
             with span("cluster", work=what, calls=len(todo), tasks=len(chunks)):
@@ -214,13 +216,29 @@ class Cluster:
         return out
 
     # search candidates --------------------------------------------------------------------------
+    def prepare_candidates(self, engine, base: dict, config: dict) -> None:
+        """``executors.prepare_candidates``: one task on each worker, not waited for (its
+        future is kept until the candidates are sent, so that Dask does not cancel it)."""
+        payload = self._candidate_payload(engine, base, config)
+        try:
+            self._warming = [self.client.submit(_prepare, payload, key=f"ipubuild-prepare-{uuid.uuid4().hex}",
+                                                workers=[w], allow_other_workers=False, pure=False)
+                             for w in sorted(self._threads)]
+        except Exception:  # noqa: BLE001 - only a head start: a lost cluster shows when candidates are sent
+            self._warming = []
+
+    def _candidate_payload(self, engine, base: dict, config: dict) -> dict:
+        from .search import EVALUATION
+        return {"config": config, "base": {slot: [d, engine.fetch(d)] for slot, d in sorted(base.items())},
+                "signatures": {n: engine.signature(PHASES[n], config)
+                               for n in (*EVALUATION, "schedule_exchange_phase")}}
+
     def evaluate_candidates(self, engine, base: dict, config: dict, jobs: list[tuple], here) -> list[dict]:
         """``executors.evaluate_candidates`` on the cluster: one task per candidate."""
-        from .search import EVALUATION
-        signatures = {n: engine.signature(PHASES[n], config) for n in (*EVALUATION, "schedule_exchange_phase")}
-        blobs = {slot: [d, engine.fetch(d)] for slot, d in sorted(base.items())}
-        payloads = [{"attempt": a, "proposal": p, "layout": layout, "config": config, "base": blobs,
-                     "signatures": signatures} for a, p, layout in jobs]
+        common = self._candidate_payload(engine, base, config)
+        blobs = common["base"]
+        payloads = [dict(common, attempt=a, proposal=p, layout=layout) for a, p, layout in jobs]
+        self._warming = []
         results: list = [None] * len(jobs)
 
         def take(i: int, ok: bool, value) -> None:
@@ -235,7 +253,7 @@ class Cluster:
             log.info("evaluated local candidate", attempt=attempt, proposal=proposal,
                      cycles=value["result"].get("cycles", "invalid"), elapsed_ms=int(value["seconds"] * 1000),
                      worker=value["worker"])
-            _trace("worker:candidate", value)
+            _trace("worker:candidate", value, sum(len(b) for _, b in blobs.values()), 0)
 
         with span("cluster", work="candidates", candidates=len(jobs)):
             self._map(_evaluate, payloads, take, "candidate")
@@ -372,12 +390,14 @@ def _record(engine, name: str, inputs: dict, config: dict, key: str, got: dict) 
     engine.store.put_action(key, dict(got["outputs"]))
 
 
-def _trace(name: str, value: dict) -> None:
-    """The worker's time for a task, in the build trace (ending now, args say where it ran)."""
+def _trace(name: str, value: dict, sent: int, returned: int) -> None:
+    """A task's time on its worker, in the build trace (ending now; the arguments say where it
+    ran, its CPU time and the blob bytes sent with it and returned)."""
     end = time.perf_counter()
     record(name, end - value["seconds"], end, {"worker": value["worker"], "seconds": round(value["seconds"], 4),
                                                "cpu_seconds": round(value["cpu"], 4),
-                                               "calls": len(value.get("results", [None]))})
+                                               "calls": len(value.get("results", [None])),
+                                               "bytes_sent": sent, "bytes_returned": returned})
 
 
 def _short(exc) -> str:
@@ -488,23 +508,45 @@ def _compiler_identity(cc: str) -> dict:
     return _compilers[cc]
 
 
-def _evaluate(payload: dict) -> dict:
-    """On a worker: one search candidate's exact evaluation (``search.evaluate``)."""
-    clock = _Clock()
+def _candidate_setup(payload: dict):
+    """On a worker: the engine and the search's inputs for candidates, or a mismatch report."""
     try:
         engine = _worker_engine()
-        from .search import evaluate
+        from .search import evaluate  # noqa: F401
     except Exception as exc:  # noqa: BLE001
-        return {"worker": _address(), "mismatch": {"plan_package": _setup_failure(exc)["mismatch"]}, **clock.read()}
+        return None, None, {"plan_package": _setup_failure(exc)["mismatch"]}
     config = payload["config"]
     for name, signature in payload["signatures"].items():
         if engine.signature(PHASES[name], config) != signature:
-            return {"worker": _address(), "mismatch": {name: _parts(engine, PHASES[name], config)}, **clock.read()}
+            return None, None, {name: _parts(engine, PHASES[name], config)}
     base = {}
     for slot, (d, data) in payload["base"].items():
         if canonical.digest(data) != d:
             raise ValueError(f"input {slot} arrived damaged")
         base[slot] = engine.put(data)
-    result = evaluate(engine, base, payload["layout"], config)
+    return engine, base, None
+
+
+def _prepare(payload: dict) -> None:
+    """On a worker, before a search: load the code, plugins and fingerprints candidates need and
+    the graph's plans (``Lowerings``, kept per process), so that the first candidate is not slow."""
+    engine, base, mismatch = _candidate_setup(payload)
+    if mismatch is None:
+        from .ir import Graph
+        from .planning.program import Lowerings
+        graph = Graph.from_json(engine.decoded(base["graph"]))
+        lowerings = Lowerings.of(graph, payload["config"]["target"]["tile_count"])
+        for op in graph.ops:
+            lowerings.plans_of(op)
+
+
+def _evaluate(payload: dict) -> dict:
+    """On a worker: one search candidate's exact evaluation (``search.evaluate``)."""
+    clock = _Clock()
+    engine, base, mismatch = _candidate_setup(payload)
+    if mismatch is not None:
+        return {"worker": _address(), "mismatch": mismatch, **clock.read()}
+    from .search import evaluate
+    result = evaluate(engine, base, payload["layout"], payload["config"])
     engine.store.trim()
     return {"worker": _address(), "result": result, **clock.read()}

@@ -84,3 +84,12 @@ def evaluate_candidates(engine, base: dict, config: dict, jobs: list[tuple], her
     if remote is None:
         return here(jobs)
     return remote.evaluate_candidates(engine, base, config, jobs, here)
+
+
+def prepare_candidates(engine, base: dict, config: dict) -> None:
+    """Before a search: if a cluster is set, have every worker load what candidates need (code,
+    plugins, fingerprints, the graph's plans) while this process evaluates the incumbent."""
+    if scheduler() is not None:
+        remote = cluster()
+        if remote is not None:
+            remote.prepare_candidates(engine, base, config)

@@ -243,6 +243,7 @@ class Pool:
         _worker.update(engine=engine, base=base, config=config)
         self.workers = workers
         self.executor = None
+        executors.prepare_candidates(engine, base, config)
 
     def map(self, jobs: list[tuple]) -> list[dict]:
         if executors.scheduler() is not None:
