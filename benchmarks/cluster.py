@@ -7,8 +7,9 @@
 Needs the distributed extra (``pip install -e '.[distributed]'``). Copies the repository's tracked
 files into a scratch tree (as ``benchmarks/run.py`` does), starts ``dask scheduler`` and
 ``--workers`` ``dask worker`` processes (one process, one thread each) on 127.0.0.1 free ports,
-importing the scratch tree's ipubuild, and times, per target, clean builds (``python -m doit
-build:<target>``, cold cache) with no cluster and with ``IPUBUILD_SCHEDULER`` set, alternating.
+importing the scratch tree's ipubuild — a fresh cluster for every build, since a worker's store
+keeps its results — and times, per target, clean builds (``python -m doit build:<target>``, cold
+cache) with no cluster and with ``IPUBUILD_SCHEDULER`` set, alternating.
 A target not in ``targets/`` is taken from ``benchmarks/targets/`` if it is there, else recorded
 as missing.
 
@@ -94,20 +95,20 @@ def trace_figures(events: list[dict]) -> dict:
 
 def serial_phases(events: list[dict], dispatches: list[dict]) -> list[list]:
     """The build's own phases by the client time they took outside cluster dispatches, largest
-    first (``[phase, seconds]``: what stays when workers are many)."""
-    names = {e["name"] for e in events if e["name"] == "build"}
-    builds = [e for e in events if e["name"] in names]
-    phases = []
-    for b in builds:
-        inner = [e for e in events if e is not b and e["name"] not in ("cluster", "build", "local_candidate")
-                 and not e["name"].startswith("worker:") and b["ts"] <= e["ts"] <= b["ts"] + b["dur"]]
-        if inner:
-            phases.append(max(inner, key=lambda e: e["dur"]))
-    out = []
-    for p in phases:
+    first (``[phase, seconds]``: what stays when workers are many). A step's phase is the
+    innermost span opened with its ``build`` span (steps after ``plan_package`` carry its span
+    too)."""
+    skip = ("cluster", "build", "local_candidate")
+    out: dict[str, float] = {}
+    for b in (e for e in events if e["name"] == "build"):
+        opened = [e for e in events if e["name"] not in skip and not e["name"].startswith("worker:")
+                  and b["ts"] <= e["ts"] <= b["ts"] + 5000 and e["ts"] + e["dur"] <= b["ts"] + b["dur"] + 1]
+        if not opened:
+            continue
+        p = min(opened, key=lambda e: e["dur"])
         inside = sum(d["dur"] for d in dispatches if p["ts"] <= d["ts"] <= p["ts"] + p["dur"])
-        out.append([p["name"], round((p["dur"] - inside) / 1e6, 3)])
-    return sorted(out, key=lambda x: -x[1])[:8]
+        out[p["name"]] = out.get(p["name"], 0.0) + (p["dur"] - inside) / 1e6
+    return sorted(([k, round(v, 3)] for k, v in out.items()), key=lambda x: -x[1])[:8]
 
 
 # the cluster ------------------------------------------------------------------------------------
@@ -130,10 +131,10 @@ class LoopbackCluster:
         self.procs = []
         port = self.address.rsplit(":", 1)[1]
         self.procs.append(self._spawn([str(dask), "scheduler", "--host", "127.0.0.1", "--port", port,
-                                       "--no-dashboard"], logs / "scheduler.log", env))
+                                       "--no-dashboard"], logs / f"scheduler-{port}.log", env))
         for i in range(workers):
             self.procs.append(self._spawn([str(dask), "worker", self.address, "--nworkers", "1", "--nthreads", "1",
-                                           "--host", "127.0.0.1", "--no-dashboard"], logs / f"worker{i}.log", env))
+                                           "--host", "127.0.0.1", "--no-dashboard"], logs / f"worker-{port}-{i}.log", env))
         import distributed
         client = distributed.Client(self.address, timeout=60, set_as_default=False)
         try:
@@ -166,17 +167,24 @@ def target_file(tree: Path, name: str) -> bool:
     return False
 
 
-def build(b, target: str, label: str, scheduler: str | None) -> dict:
-    if scheduler:
-        b.env["IPUBUILD_SCHEDULER"] = scheduler
-    else:
-        b.env.pop("IPUBUILD_SCHEDULER", None)
+def build(b, target: str, label: str, workers: int) -> dict:
+    """A clean build: here (``workers`` 0) or on a fresh loopback cluster of ``workers`` (a
+    worker's own store keeps its results for its life: a second build on it is not clean)."""
     b.clean_cache()
-    r = b.build(target, label)
+    cluster = None
+    b.env.pop("IPUBUILD_SCHEDULER", None)
+    try:
+        if workers:
+            cluster = LoopbackCluster(b.tree, b.logs, workers)
+            b.env["IPUBUILD_SCHEDULER"] = cluster.address
+        r = b.build(target, label)
+    finally:
+        if cluster is not None:
+            cluster.stop()
     log = (b.logs / r["log"]).read_text(errors="replace")
     r["package_sha256"] = bench_sha256(b.tree / "artifacts" / target / f"{target}.ipuexe")
     r["warnings"] = [ln.split(": ", 1)[-1][:200] for ln in log.splitlines() if " WARN " in ln]
-    if scheduler:
+    if workers:
         r["trace"] = trace_figures(json.loads((b.tree / "artifacts" / target / "build.trace.json")
                                               .read_text())["traceEvents"])
     return r
@@ -192,16 +200,14 @@ def run(args) -> dict:
     info = bench.machine_info()
     tmp = Path(tempfile.mkdtemp(prefix="ipubuild-cluster-bench-"))
     results: dict[str, dict] = {}
-    cluster = None
     try:
         tree = bench.make_scratch(REPO, tmp)
         logs = tmp / "logs"
         logs.mkdir()
         b = bench.Bench(tree, logs, Path(args.out).parent)
-        # the scratch tree's targets only: the other targets would be built by nothing, but loaded
-        cluster = LoopbackCluster(tree, logs, args.workers)
-        bench.progress(f"loopback cluster {cluster.address}, {args.workers} workers; scratch tree {tree}")
+        bench.progress(f"loopback clusters of {args.workers} workers; scratch tree {tree}")
         for t in args.targets:
+            copied = not (tree / "targets" / f"{t}.toml").exists()
             if not target_file(tree, t):
                 bench.progress(f"{t}: no targets/{t}.toml nor benchmarks/targets/{t}.toml: skipped")
                 results[t] = {"missing": f"no targets/{t}.toml in this tree"}
@@ -209,18 +215,16 @@ def run(args) -> dict:
             here, there = [], []
             for i in range(1, args.repeats + 1):
                 bench.progress(f"{t}: clean build here {i}/{args.repeats} ...")
-                here.append(build(b, t, f"{t} here {i}", None))
+                here.append(build(b, t, f"{t} here {i}", 0))
                 bench.progress(f"{t}: clean build on the cluster {i}/{args.repeats} ...")
-                there.append(build(b, t, f"{t} cluster {i}", cluster.address))
+                there.append(build(b, t, f"{t} cluster {i}", args.workers))
             packages = {r["package_sha256"] for r in here + there}
             if len(packages) != 1:
                 raise bench.BuildFailed(f"{t}: the packages differ between builds here and on the cluster: {packages}")
             results[t] = summarize(here, there)
-            (tree / "targets" / f"{t}.toml").unlink() if (tree / "benchmarks" / "targets" / f"{t}.toml").exists() \
-                and t not in ("vit_fp8",) else None
+            if copied:          # loaded (not built) by every later build: taken out again
+                (tree / "targets" / f"{t}.toml").unlink()
     finally:
-        if cluster is not None:
-            cluster.stop()
         if not args.keep_scratch:
             shutil.rmtree(tmp, ignore_errors=True)
         else:

@@ -385,3 +385,33 @@ def test_a_worker_running_other_code_is_refused_in_one_line(code, reference, tmp
     again = doit(tree, f"build:{NAME}", environ=env(code))
     assert_passed(again, NAME)
     assert package(tree, NAME) == reference[0]
+
+
+# --- the benchmark's arithmetic ----------------------------------------------------------------------
+
+def test_the_benchmark_reads_the_share_and_the_prediction_from_a_trace():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_cluster", HERE.parent / "benchmarks" / "cluster.py")
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+
+    def ev(name, ts, dur, **args):
+        return {"name": name, "ph": "X", "ts": ts * 1e6, "dur": dur * 1e6, "pid": 1, "tid": 1, "args": args}
+    w = dict(worker="tcp://w", cpu_seconds=1.0, bytes_sent=10, bytes_returned=20)
+    events = [ev("doit build:t", 0, 20),
+              ev("build", 1, 9), ev("plan_package", 1, 9),
+              ev("build", 10, 1), ev("plan_package", 10, 1), ev("place_storage", 10, 0.5),
+              ev("cluster", 2, 6, work="candidates"),                   # 3 candidates: 4 + 4 + 2 s of work
+              ev("worker:candidate", 2, 4, seconds=4, **w), ev("worker:candidate", 3, 4, seconds=4, **w),
+              ev("worker:candidate", 6, 2, seconds=2, **w),
+              ev("build", 12, 4), ev("build_tile_images", 12, 4),
+              ev("cluster", 12, 2, work="build_tile_image"),            # 2 chunks: 1 + 1 s
+              ev("worker:build_tile_image", 12, 1, seconds=1, **w), ev("worker:build_tile_image", 13, 1, seconds=1, **w)]
+    f = bc.trace_figures(events)
+    assert f["build_s"] == 20 and f["dispatched_s"] == 8 and f["serial_s"] == 12 and f["worker_s"] == 12
+    assert f["share"] == 0.5
+    # each dispatch lasts at least its longest task: 12 + max(10/16, 4) + max(2/16, 1)
+    assert f["predicted_s"]["16"] == 17 and f["limit_s"] == 17 and f["amdahl_s"]["16"] == 12 + 12 / 16
+    assert f["by_kind"]["candidate"]["tasks"] == 3 and f["by_kind"]["candidate"]["dispatch_wall_s"] == 6
+    assert f["by_kind"]["build_tile_image"]["bytes_returned"] == 40
+    assert dict(f["serial_phases"]) == {"plan_package": 3.0, "build_tile_images": 2.0, "place_storage": 0.5}
