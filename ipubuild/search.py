@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from . import canonical
+from . import canonical, executors
 from .engine import PHASES, MissingBlob
 from .errors import UserError
 from .files import write_atomic
@@ -397,17 +397,25 @@ def _evaluate_in_worker(attempt: int, proposal: int, layout: dict, forked: bool 
 
 
 class Pool:
-    """Evaluates candidates in ``workers`` forked processes (or in-process for one worker)."""
+    """Evaluates candidates in ``workers`` forked processes (or in-process for one worker), or
+    on the cluster ``$IPUBUILD_SCHEDULER`` names (``ipubuild.executors``)."""
 
     def __init__(self, workers: int, engine, base, config):
         _worker.update(engine=engine, base=base, config=config)
         self.workers = workers
         self.executor = None
-        if workers > 1:
-            self.executor = concurrent.futures.ProcessPoolExecutor(
-                max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+        executors.prepare_candidates(engine, base, config)
 
     def map(self, jobs: list[tuple]) -> list[dict]:
+        if executors.scheduler() is not None:
+            return executors.evaluate_candidates(_worker["engine"], _worker["base"], _worker["config"],
+                                                 jobs, self._map_here)
+        return self._map_here(jobs)
+
+    def _map_here(self, jobs: list[tuple]) -> list[dict]:
+        if self.workers > 1 and self.executor is None:
+            self.executor = concurrent.futures.ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=multiprocessing.get_context("fork"))
         if self.executor is None:
             return [_evaluate_in_worker(*j) for j in jobs]
         futures = [self.executor.submit(_evaluate_in_worker, *j, True) for j in jobs]
