@@ -27,9 +27,9 @@ from .engine import PHASES, MissingBlob
 from .errors import UserError
 from .files import write_atomic
 from .log import log, phase_finished, span
-from .operators import ceil_div, registry
 from .planning.cost import scalar_args
-from .planning.program import Blocks, PlanResolver, default_layout, plans_of, row_keys
+from .placement import initial_layout
+from .planning.program import Blocks, PlanResolver, plans_of, row_keys
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
               "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
@@ -121,7 +121,7 @@ class Estimator:
         self.kernel_bytes = code["reservation_quantum"]     # a kernel's reservation, at least
         self._isz = collections.defaultdict(lambda: 4)   # temporaries are f32
         self._isz.update({f"v{v}": val.itemsize for v, val in graph.values.items()})
-        self._terms, self._writes, self._work = {}, {}, {}
+        self._terms, self._writes, self._work, self._footprints = {}, {}, {}, {}
 
     def resolve(self, layout: dict) -> dict:
         return self.resolver.resolve(layout)
@@ -164,6 +164,10 @@ class Estimator:
             after += b[0]
         return after - before
 
+    def consumers(self, op_id: int) -> set[int]:
+        """The operations that read an output of ``op_id``."""
+        return self._consumers[op_id]
+
     def followers(self, layout: dict, op_id: int) -> set[int]:
         """The operations that follow ``op_id``'s blocks under ``layout``, directly or through
         other followers."""
@@ -203,6 +207,26 @@ class Estimator:
         for tile, names in kernels.items():
             load[tile] += len(names) * self.kernel_bytes
         return load
+
+    def footprints(self, op) -> list[int | None]:
+        """For each plan of ``op``: the bytes of constants its tiles hold in all, copies
+        included (None for a follow plan, whose blocks depend on its producer). Worked out
+        once per operation shape: a model's blocks repeat."""
+        g = self.g
+        sig = (op.type, tuple((g.values[v].shape, g.values[v].dtype, v in g.constants) for v in op.inputs),
+               canonical.encode(self.plans[op.id]))
+        if sig not in self._footprints:
+            impl, out = self.resolver.reg.get(op.type), []
+            for plan in self.plans[op.id]:
+                if "follow" in plan or not any(v in g.constants for v in op.inputs):
+                    out.append(None if "follow" in plan else 0)
+                    continue
+                held = {(w.tile, blk): (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._isz[blk[0]]
+                        for st in impl.lower(g, op, plan).stages for w in st for blk in w.reads
+                        if blk[0] in self.const_keys}
+                out.append(sum(held.values()))
+            self._footprints[sig] = out
+        return self._footprints[sig]
 
     def fits(self, layout: dict) -> bool:
         """Whether the layout is valid, every tile's constants stay under the planning cap of
@@ -305,9 +329,7 @@ class Estimator:
         every tile that reads the same fragment (a broadcast); on-tile copies at local speed."""
         x = self.m["exchange"]
         s_tiles, s_blks = blocks.arrays()
-        hit = ((s_blks[None, :, 0] < reads[:, None, 2]) & (s_blks[None, :, 1] > reads[:, None, 1])
-               & (s_blks[None, :, 2] < reads[:, None, 4]) & (s_blks[None, :, 3] > reads[:, None, 3]))
-        ri, si = np.nonzero(hit)
+        ri, si = blocks.pairs(reads[:, 1:])
         if not len(ri):
             return
         r, sb = reads[ri], s_blks[si]
@@ -620,85 +642,6 @@ def _proposals(h: Heuristic, layout, sc) -> list:
     if not isinstance(out, (list, tuple)) or not all(isinstance(c, Changes) for c in out):
         raise UserError(f"search heuristic {h.name}", "propose must return a list of ipubuild.search.Changes")
     return list(out)
-
-
-INITIAL_PLANS_TRIED = 8
-SPREAD_FACTOR = 2
-
-
-def initial_layout(sc: SearchContext, found) -> dict:
-    """Greedy, in program order. An elementwise operation (a cast, an activation, a residual
-    add) takes its producer's blocks — the cheapest of its follow plans that can — so it
-    exchanges nothing; any other operation takes the plan (among its default, up to
-    INITIAL_PLANS_TRIED spread over its list, and its follow plans) that the estimator finds
-    cheapest given the plans already chosen for its producers, preferring plans that keep
-    every tile's constants under the cap."""
-    layout = default_layout(sc.graph, sc.tile_count)
-    reg = registry()
-    est = sc.estimator
-    cursor, load, code, kernels = 0, collections.Counter(), collections.Counter(), collections.defaultdict(set)
-
-    def overflow(term) -> bool:
-        _, _, consts, program, names = term
-        return any(load[t] + b > est.cap for t, b in consts.items()) or any(
-            code[t] + b + len(names.get(t, set()) - kernels[t]) * est.kernel_bytes > est.code_cap
-            for t, b in program.items())
-
-    for op in sc.graph.ops:
-        n = len(sc.plans[op.id])
-        follow = [i for i, p in enumerate(sc.plans[op.id]) if "follow" in p]
-        tried = sorted({0, *(i * (n - 1) // max(1, INITIAL_PLANS_TRIED - 1) for i in range(INITIAL_PLANS_TRIED)),
-                        *follow})
-        if reg.get(op.type).follows == "elements":
-            tried = [p for p in follow if _term(sc, op, layout, p) is not None] or tried
-        best = None
-        for p in tried:
-            t = _term(sc, op, layout, p)
-            if t is None:
-                continue
-            key = (overflow(t), t[0])
-            if best is None or key < best[0]:
-                best = (key, p)
-        choice = layout["ops"][str(op.id)]
-        choice["plan"] = best[1]
-        if "follow" not in sc.plans[op.id][best[1]]:
-            choice["offset"] = _offset(sc, op, layout, cursor, overflow)
-            used = len({w.tile for st in est.lowering(op, layout).stages for w in st})
-            if used * SPREAD_FACTOR <= sc.tile_count:
-                cursor = (cursor + used) % sc.tile_count
-        t = est.term(op, layout)
-        load.update(t[2])
-        code.update(t[3])
-        for tile, names in t[4].items():
-            code[tile] += len(names - kernels[tile]) * est.kernel_bytes
-            kernels[tile] |= names
-    return layout
-
-
-def _offset(sc, op, layout, cursor: int, overflow) -> int:
-    """Where ``op`` (on a plan of its own) starts. On a machine much larger than the
-    operation, at the cursor: fresh tiles, spreading code and data over the machine.
-    Otherwise where its first producer starts (its data is there), unless that overflows a
-    tile's constants or code and the cursor does not."""
-    est, choice = sc.estimator, layout["ops"][str(op.id)]
-    choice["offset"] = cursor
-    used = len({w.tile for st in est.lowering(op, layout).stages for w in st})
-    producer = next((sc.producer[v] for v in op.inputs if v in sc.producer), None)
-    if used * SPREAD_FACTOR <= sc.tile_count or producer is None:
-        return cursor
-    at_producer = est.resolve(layout)[producer.id][1]
-    for offset in (at_producer, cursor):
-        choice["offset"] = offset
-        t = est.term(op, layout)
-        if t is not None and not overflow(t):
-            return offset
-    return at_producer
-
-
-def _term(sc, op, layout, plan):
-    """The estimator's term of ``op`` on ``plan`` (the layout is left with that plan)."""
-    layout["ops"][str(op.id)]["plan"] = plan
-    return sc.estimator.term(op, layout)
 
 
 def screen(proposals, incumbent, sc, visited, shortlist_size):
