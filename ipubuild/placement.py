@@ -15,8 +15,9 @@ memory for constants, and the plans tried include some that keep to it.
 """
 from __future__ import annotations
 
-import collections
+import numpy as np
 
+from .estimator import Loads
 from .operators import registry
 from .planning.program import default_layout
 
@@ -43,8 +44,7 @@ class _Greedy:
     def __init__(self, sc, allowance: bool):
         self.sc, self.est, self.g = sc, sc.estimator, sc.graph
         self.reg = registry()
-        self.load, self.code = collections.Counter(), collections.Counter()
-        self.kernels = collections.defaultdict(set)
+        self.loads = Loads(self.est)
         g = self.g
         if allowance:
             weights = sum(g.values[v].nbytes for v in g.constants) or 1
@@ -77,27 +77,24 @@ class _Greedy:
                 used = len({w.tile for st in est.lowering(op, layout).stages for w in st})
                 if used * SPREAD_FACTOR <= sc.tile_count:
                     cursor = (cursor + used) % sc.tile_count
-            self.take(est.term(op, layout))
+            self.loads.add(est.term(op, layout))
         return layout
-
-    def take(self, term) -> None:
-        """Count an operation's constants and code on its tiles."""
-        _, _, consts, program, names = term
-        self.load.update(consts)
-        self.code.update(program)
-        for tile, ns in names.items():
-            self.code[tile] += len(ns - self.kernels[tile]) * self.est.kernel_bytes
-            self.kernels[tile] |= ns
 
     def overflow(self, op, term) -> tuple[int, int]:
         """(bytes over the caps of constants or code, bytes of constant copies over the
         operation's allowance)."""
-        _, _, consts, program, names = term
-        est = self.est
-        excess = sum(max(0, self.load[t] + b - est.cap) for t, b in consts.items()) + sum(
-            max(0, self.code[t] + b + len(names.get(t, set()) - self.kernels[t]) * est.kernel_bytes - est.code_cap)
-            for t, b in program.items())
-        over = 0 if self.allowed is None else max(0, int(sum(consts.values()) - self.allowed[op.id]))
+        est, loads = self.est, self.loads
+        const = loads.const[term.const_tiles] + term.const_bytes
+        code = np.zeros(est.T, np.int64)
+        code[term.code_tiles] = term.code_bytes
+        for name, tiles in term.kernels:
+            row = est.kernel_index[name]
+            new = tiles if row >= len(loads.kernels) else tiles[loads.kernels[row][tiles] == 0]
+            np.add.at(code, new, est.kernel_bytes)
+        touched = np.flatnonzero(code)
+        code = loads.code_with_kernels()[touched] + code[touched]
+        excess = int(np.maximum(const - est.cap, 0).sum() + np.maximum(code - est.code_cap, 0).sum())
+        over = 0 if self.allowed is None else max(0, int(term.const_bytes.sum() - self.allowed[op.id]))
         return excess, over
 
     def place(self, op, layout, tried: list[int]) -> tuple | None:
@@ -111,7 +108,7 @@ class _Greedy:
             over = self.overflow(op, t)
             if best is not None and over > best[0][:2]:
                 continue
-            key = (*over, t[0] + (_downstream(self.sc, op, layout) if len(tried) > 1 else 0))
+            key = (*over, t.cycles + (_downstream(self.sc, op, layout) if len(tried) > 1 else 0))
             if best is None or key < best[0]:
                 best = (key, p)
         return best
@@ -151,13 +148,13 @@ def _downstream(sc, op, layout, depth: int = LOOKAHEAD) -> int:
         if reg.get(c.type).follows == "elements":
             follow = [i for i, p in enumerate(sc.plans[c.id])
                       if "follow" in p and sc.producer.get(c.inputs[p["follow"]]) is op]
-            costs = [(t[0], i) for i in follow if (t := _term(sc, c, layout, i)) is not None]
+            costs = [(t.cycles, i) for i in follow if (t := _term(sc, c, layout, i)) is not None]
             if costs:
                 cost, choice["plan"] = min(costs)
                 total += cost + (_downstream(sc, c, layout, depth - 1) if depth > 1 else 0)
         else:
             choice.update(plan=0, offset=start)
-            total += (est.term(c, layout) or (0,))[0]
+            total += t.cycles if (t := est.term(c, layout)) is not None else 0
         choice.clear()
         choice.update(saved)
     return total

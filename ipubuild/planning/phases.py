@@ -38,16 +38,7 @@ def compile_runtime(ctx):
                               "tile_count": ctx.config["target"]["tile_count"]})}
 
 
-# planning --------------------------------------------------------------------------------------
-@phase("plan_package", inputs=("graph", "machine", "runtime", "reservations"), outputs=("layout", "search"),
-       config=("name", "path", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
-def plan_package(ctx):
-    """The searched layout, and the search's convergence (``search``: initial cycles, accepted steps)."""
-    from ..search import search_layout
-    layout, summary = search_layout(ctx, graph_of(ctx))
-    return {"layout": _json(layout), "search": _json(summary)}
-
-
+# planning (plan_package, the search's phase, is in search.py) -----------------------------------
 def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     """An upper bound of each tile's generated code before exchanges are scheduled. Its
     exchange table: per step, the larger of the two tables the step's schedule may keep (its

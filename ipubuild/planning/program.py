@@ -33,14 +33,22 @@ class Blocks:
     def __init__(self):
         self.items: list = []
         self._exact: dict = {}
-        self._arr = self._tiles = self._grid = None
+        self._arr = self._tiles = self._grid = self._keys = None
         self._memo: dict = {}
 
     def add(self, tile, buf, blk) -> None:
         blk = tuple(blk)
         self.items.append((tile, buf, blk))
         self._exact.setdefault((tile, blk), buf)
-        self._arr = self._tiles = self._grid = None
+        self._arr = self._tiles = self._grid = self._keys = None
+        self._memo = {}
+
+    def extend(self, tile_blocks, buf) -> None:
+        """``add(tile, buf, blk)`` for each ``(tile, blk)``."""
+        for tile, blk in tile_blocks:
+            self.items.append((tile, buf, blk))
+            self._exact.setdefault((tile, blk), buf)
+        self._arr = self._tiles = self._grid = self._keys = None
         self._memo = {}
 
     def exact(self, tile, blk):
@@ -48,8 +56,10 @@ class Blocks:
 
     def keys(self) -> np.ndarray:
         """``row_keys`` of each stored ``(tile, r0, r1, c0, c1)``."""
-        tiles, blks = self.arrays()
-        return row_keys(np.concatenate([tiles[:, None], blks], axis=1))
+        if self._keys is None:
+            tiles, blks = self.arrays()
+            self._keys = row_keys(np.concatenate([tiles[:, None], blks], axis=1))
+        return self._keys
 
     def arrays(self) -> tuple:
         """(tiles, blocks): the stored blocks as arrays ``[n]`` and ``[n, 4]``."""
@@ -109,8 +119,10 @@ def _grid_of(blocks: np.ndarray):
     """``(row bands, column bands, cell starts, stored indices by cell)`` if ``blocks`` (rows
     ``[r0, r1, c0, c1]``) lie on a grid of bands that do not overlap, else False."""
     bands = []
+    span = int(blocks.max(initial=0)) + 1
     for lo, hi in ((0, 1), (2, 3)):
-        b = np.unique(blocks[:, [lo, hi]], axis=0)
+        k = np.unique(blocks[:, lo] * span + blocks[:, hi])     # the distinct intervals, sorted
+        b = np.stack([k // span, k % span], axis=1)
         if len(b) > 1 and (b[1:, 0] < b[:-1, 1]).any():
             return False
         bands.append(b)
