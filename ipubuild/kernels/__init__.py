@@ -148,19 +148,20 @@ def reserve(code: int, quantum: int) -> int:
     return (code // quantum + 1) * quantum
 
 
-def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str, bytes],
-                   defines: list, cc: str, cflags: str, where: str) -> tuple[bytes, str]:
-    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure prints the
-    compiler's diagnostics and raises a one-line error naming the kernel."""
+def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: str, defines: list, cc: str,
+                 cflags: str, extra: tuple[str, ...] = ()) -> tuple[int, bytes, str]:
+    """Compile kernel ``name``'s source ``where`` (one of ``files``, ``{slot: bytes}``, with the
+    files ``extra`` names beside it) in a scratch folder: ``(return code, object, diagnostics)``,
+    no object on failure; a compiler that cannot run raises a one-line error."""
     with tempfile.TemporaryDirectory(prefix="ipubuild-cc-") as tmp:
         # the source and its headers at their slots' paths, so quoted includes resolve as beside
         # the real files; the compiler runs in the source's folder
-        for slot, data in {where: source, **headers}.items():
+        for slot, data in files.items():
             (Path(tmp) / slot).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / slot).write_bytes(data)
         cwd = (Path(tmp) / where).parent
         cmd = [*shlex.split(cc), *shlex.split(cflags), *[f"-D{k}={v}" for k, v in defines],
-               "-o", str(Path(tmp) / "kernel.so"), source_name, "-lm"]
+               "-o", str(Path(tmp) / "kernel.so"), source_name, *extra, "-lm"]
         try:
             proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
         except OSError as exc:
@@ -169,11 +170,20 @@ def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str
             raise UserError(f"kernel {name} ({where})", "the C compiler took more than 300 s; "
                             "check the source or IPUBUILD_CFLAGS") from None
         diagnostics = proc.stderr.replace(source_name, where)
-        if proc.returncode != 0:
-            log.diagnostics(diagnostics)
-            first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
-            raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
-        return (Path(tmp) / "kernel.so").read_bytes(), diagnostics
+        obj = (Path(tmp) / "kernel.so").read_bytes() if proc.returncode == 0 else b""
+        return proc.returncode, obj, diagnostics
+
+
+def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str, bytes],
+                   defines: list, cc: str, cflags: str, where: str) -> tuple[bytes, str]:
+    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure prints the
+    compiler's diagnostics and raises a one-line error naming the kernel."""
+    code, obj, diagnostics = run_compiler(name, source_name, {where: source, **headers}, where, defines, cc, cflags)
+    if code != 0:
+        log.diagnostics(diagnostics)
+        first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
+        raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
+    return obj, diagnostics
 
 
 @phase("compile_kernel", inputs=("source", "header/*"), outputs=("object", "code_size", "diagnostics"),
@@ -200,20 +210,14 @@ def used_variants(graph, registry) -> list[str]:
     return sorted(names)
 
 
-@phase("compile_kernels", inputs=("graph", "source/*"),
-       outputs=("objects", "code_sizes", "reservations", "diagnostics"),
-       config=("compiler", "kernel_quantum"), hooks=("ipubuild_operators",))
-def compile_kernels(ctx):
-    """Compile the kernel variants the target's graph can use; their objects (a family index),
-    exact code sizes, reservations (the only part planning reads) and the compiler's warnings
-    (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
-    comes from the cache: see ``ipubuild.tasks``)."""
+def compile_jobs(ctx) -> dict[str, tuple[dict, dict]]:
+    """``{variant: (inputs, config)}`` of a compile of each variant the graph can use, for a phase
+    with inputs ``graph`` and ``source/*`` and config ``compiler``."""
     from ..artifacts import graph_of
     from ..operators import registry
     reg = registry()
     slots = ctx.family("source")
     sources = {slot: ctx.engine.fetch(d) for slot, d in slots.items()}
-    compiler_cfg = ctx.config["compiler"]
     jobs = {}
     for name in used_variants(graph_of(ctx), reg):
         kv = reg.kernels[name]
@@ -224,8 +228,19 @@ def compile_kernels(ctx):
         jobs[name] = ({"source": slots[slot], **{f"header/{h}": slots[h] for h in included(slot, sources)}},
                       {"kernel": {"name": name, "source_name": PurePosixPath(slot).name,
                                   "defines": [list(d) for d in kv.defines], "where": slot},
-                       "compiler": compiler_cfg})
+                       "compiler": ctx.config["compiler"]})
+    return jobs
 
+
+@phase("compile_kernels", inputs=("graph", "source/*"),
+       outputs=("objects", "code_sizes", "reservations", "diagnostics"),
+       config=("compiler", "kernel_quantum"), hooks=("ipubuild_operators",))
+def compile_kernels(ctx):
+    """Compile the kernel variants the target's graph can use; their objects (a family index),
+    exact code sizes, reservations (the only part planning reads) and the compiler's warnings
+    (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
+    comes from the cache: see ``ipubuild.tasks``)."""
+    jobs = compile_jobs(ctx)
     names = sorted(jobs)        # compiled concurrently here, or on a cluster
     results = dict(zip(names, run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names],
                                          threads=os.cpu_count() or 1)))

@@ -1,0 +1,227 @@
+"""Figures measured on the compiled kernels, per vertex kind: the basic blocks they execute.
+
+The cycle estimators (``KernelVariant.cycles``) model a kernel; they do not read its code, so an
+edit to a kernel's C source leaves the device profile's cycles as they were. This module measures
+the code itself. ``compile_counted_kernels`` compiles every variant the target uses a second time,
+with ``-fsanitize-coverage=trace-pc`` and ``block_counter.c`` (the compiler calls a counting
+function at the start of every basic block it emits); ``measure_kernels`` runs the package's
+program on the host — the simulator's loading and exchange, with the counted objects in place of
+the package's — and records, per kernel variant, its calls, the blocks they executed (in all, and
+the fewest and most of one call) and its estimator's cycles. A count depends only on the
+compiled code and the data the call reads, so the result is the same on every run and is an
+ordinary content-addressed artifact (``<target>.kernels.json``, and a table on the profile page).
+
+Neither phase is upstream of planning or of the package: editing only kernel code re-runs them
+(and the device run) and no planning phase. A compiler without the flag, or a variant that does
+not compile with it, leaves that variant's figures out, with a one-line note saying why.
+
+Host time is not measured here: it varies from run to run, and every artifact of a build must be
+reproducible; ``doit profile:<target>`` measures it on demand (``host_times``).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path, PurePosixPath
+
+from . import canonical, tensors
+from .engine import phase
+from .errors import UserError
+from .executors import run_phases
+from .kernels import compile_jobs, run_compiler
+
+COUNTER = Path(__file__).resolve().parent / "block_counter.c"
+COUNTER_NAME = "ipu_block_counter.c"     # its name beside the kernel source in the scratch folder
+COUNT_FLAGS = "-fsanitize-coverage=trace-pc"
+
+
+@phase("compile_counted_kernel", inputs=("source", "header/*", "counter"), outputs=("object", "note"),
+       config=("kernel", "compiler"))
+def compile_counted_kernel(ctx):
+    """One variant compiled with basic-block counting: its object, or none and a one-line note."""
+    k, c = ctx.config["kernel"], ctx.config["compiler"]
+    files = {k["where"]: ctx.bytes("source"),
+             **{name: ctx.engine.fetch(d) for name, d in ctx.family("header").items()},
+             str(PurePosixPath(k["where"]).parent / COUNTER_NAME): ctx.bytes("counter")}
+    code, obj, diagnostics = run_compiler(k["name"], k["source_name"], files, k["where"], k["defines"], c["cc"],
+                                          f"{c['cflags']} {COUNT_FLAGS}", extra=(COUNTER_NAME,))
+    if code == 0:
+        return {"object": obj, "note": b""}
+    first = next((ln for ln in diagnostics.splitlines() if "error" in ln), f"exit status {code}").strip()
+    return {"object": b"", "note": f"{c['cc']} {COUNT_FLAGS} failed: {first}".encode()}
+
+
+@phase("compile_counted_kernels", inputs=("graph", "source/*", "counter"), outputs=("counted_objects",),
+       config=("compiler",), hooks=("ipubuild_operators",))
+def compile_counted_kernels(ctx):
+    """The counted objects of the variants the target's graph can use: ``{"objects": {variant:
+    digest}, "notes": {variant: why it has none}}``."""
+    jobs = compile_jobs(ctx)
+    for inputs, _ in jobs.values():
+        inputs["counter"] = ctx.digest("counter")
+    names = sorted(jobs)
+    results = run_phases(ctx.engine, [("compile_counted_kernel", *jobs[n]) for n in names],
+                         threads=os.cpu_count() or 1)
+    objects, notes = {}, {}
+    for name, r in zip(names, results):
+        note = ctx.engine.fetch(r.outputs["note"]).decode()
+        if note:
+            notes[name] = note
+        else:
+            objects[name] = r.outputs["object"]
+    return {"counted_objects": canonical.dumps({"objects": objects, "notes": notes})}
+
+
+def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path) -> dict:
+    """The package's kernels ``plain`` with each one's counted object (if it has one) in their
+    place: ``fn(mem, args)`` returns ``(result, blocks or None)``."""
+    out = {}
+    for name, fn in plain.items():
+        if name not in counted:
+            out[name] = _uncounted(fn)
+            continue
+        path = Path(workdir) / f"counted-{name}.so"
+        path.write_bytes(counted[name])
+        try:
+            fn = ctypes.CDLL(str(path)).ipu_counted_vertex
+        except (OSError, AttributeError) as exc:
+            raise UserError(f"kernel {name}", f"cannot load its counted object: {exc}") from None
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+        out[name] = _counting(fn)
+    return out
+
+
+def _uncounted(fn):
+    return lambda mem, args: (fn(mem, args), None)
+
+
+def _counting(fn):
+    blocks = ctypes.c_uint64()
+
+    def call(mem, args):
+        rc = fn(mem, args, ctypes.byref(blocks))
+        return rc, blocks.value
+    return call
+
+
+def _executed(package: bytes, inputs: dict, workdir: Path, counted: dict[str, bytes] | None = None):
+    """Run the package's program on the host, one vertex after another in program order: yield
+    ``(kernel, args, call)`` for every vertex call, in order, and the caller makes the ``call()``
+    (with ``counted``, see ``_counted_kernels``)."""
+    from .builtin.simulator import Simulator, _input_bytes, _Plan, _row, run_exchange
+    from .package import Package
+
+    class Host(Simulator):
+        def _load_kernels(self, pkg, workdir):
+            plain = super()._load_kernels(pkg, workdir)
+            return plain if counted is None else _counted_kernels(plain, counted, workdir)
+
+    pkg = Package(package, "package")
+    m = pkg.manifest
+    machine = m["machine"]
+    memory, row_of, programs, tables = Host()._load(pkg, machine, workdir)
+    paired = canonical.loads(pkg.member("host/program.json"))["paired"]
+    n_steps = m["host"]["run"]["phases"]
+    plan = _Plan(memory, programs, tables, machine, n_steps, paired, 1)
+    for b in m["inputs"]:
+        raw = _input_bytes(b, inputs)
+        for off, size, tile, addr in b["ranges"]:
+            memory[_row(row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
+    for s in range(n_steps):
+        run_exchange(memory, row_of, plan.entries[s])
+        # one lane: every call of the step in tile order, then program order, as in ``programs``
+        args = [a for prog in programs.values() for _, _, a in prog.get(s, ())]
+        for (fn, mem, address, _, _, kname), a in zip(plan.lanes[s][0], args):
+            yield kname, a, lambda fn=fn, mem=mem, address=address: fn(mem, address)
+
+
+def _inputs(ctx) -> dict:
+    from .artifacts import graph_of
+    g = graph_of(ctx)
+    arrays = tensors.unpack(ctx.bytes("params"))
+    return {g.values[v].name: arrays[f"v{v}"] for v in g.inputs}
+
+
+@phase("measure_kernels", inputs=("package", "params", "graph", "counted_objects"), outputs=("kernel_profile",),
+       hooks=("ipubuild_operators",))
+def measure_kernels(ctx):
+    """Per kernel variant: calls, estimated cycles (its estimator) and executed basic blocks
+    (``<target>.kernels.json``; see the module's docstring)."""
+    from .operators import registry
+    from .package import Package
+    reg = registry()
+    counted = ctx.json("counted_objects")
+    objects = {name: ctx.engine.fetch(d) for name, d in counted["objects"].items()}
+    machine = Package(ctx.bytes("package"), "package").manifest["machine"]
+    kinds: dict[str, dict] = {}
+    estimates: dict[tuple, int] = {}
+    with tempfile.TemporaryDirectory(prefix="ipubuild-measure-") as work:
+        for kname, a, call in _executed(ctx.bytes("package"), _inputs(ctx), Path(work), objects):
+            _, blocks = call()
+            key = (kname, *a)
+            if key not in estimates:
+                estimates[key] = int(reg.kernels[kname].cycles(a, machine))
+            k = kinds.setdefault(kname, {"calls": 0, "estimated_cycles": 0, "blocks": 0,
+                                         "blocks_per_call": [None, None]})
+            k["calls"] += 1
+            k["estimated_cycles"] += estimates[key]
+            if blocks is None:
+                k["blocks"] = None
+            elif k["blocks"] is not None:
+                k["blocks"] += blocks
+                lo, hi = k["blocks_per_call"]
+                k["blocks_per_call"] = [blocks if lo is None else min(lo, blocks), blocks if hi is None else max(hi, blocks)]
+    for name, k in kinds.items():
+        if k["blocks"] is None:
+            k["blocks_per_call"] = None
+    by_reason: dict[str, list[str]] = {}
+    for name, note in sorted(counted["notes"].items()):
+        by_reason.setdefault(note, []).append(name)
+    notes = [f"no basic-block counts for {', '.join(names)}: {note}" for note, names in sorted(by_reason.items())]
+    return {"kernel_profile": canonical.dumps({
+        "measure": f"basic blocks executed by each kernel compiled with {COUNT_FLAGS}, on the build's inputs",
+        "kernels": kinds, "notes": notes})}
+
+
+# doit profile:<target>: host time per kernel, measured on demand ---------------------------------
+def host_times(package: bytes, inputs: dict, repeat: int = 1) -> dict[str, dict]:
+    """Host time of each kernel variant's vertex calls, running the package's own objects on this
+    machine: ``{variant: {"calls", "median_ns", "total_ns"}}``. It varies from run to run, so it
+    is never part of an artifact."""
+    times: dict[str, list[int]] = {}
+    clock = time.perf_counter_ns
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory(prefix="ipubuild-time-") as work:
+            for kname, _, call in _executed(package, inputs, Path(work)):
+                t0 = clock()
+                call()
+                times.setdefault(kname, []).append(clock() - t0)
+    return {k: {"calls": len(v) // repeat, "median_ns": int(statistics.median(v)), "total_ns": sum(v) // repeat}
+            for k, v in sorted(times.items())}
+
+
+def host_time_table(kernel_profile: dict, times: dict[str, dict]) -> list[str]:
+    """Per kernel variant: calls, estimated cycles, executed basic blocks and host time, as
+    aligned text lines."""
+    kinds = kernel_profile.get("kernels", {})
+    head = ("kernel", "calls", "estimated cycles", "basic blocks", "blocks/call", "host time median/call")
+    rows = []
+    for name in sorted(set(kinds) | set(times)):
+        k, t = kinds.get(name, {}), times.get(name)
+        per = k.get("blocks_per_call")
+        rows.append((name, str(k.get("calls", t["calls"] if t else "")),
+                     f"{k['estimated_cycles']:,}" if "estimated_cycles" in k else "–",
+                     f"{k['blocks']:,}" if k.get("blocks") is not None else "–",
+                     (f"{per[0]:,}" if per[0] == per[1] else f"{per[0]:,}–{per[1]:,}") if per else "–",
+                     f"{t['median_ns'] / 1000:.1f} µs" if t else "–"))
+    widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
+    lines = ["  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r))
+             for r in [head, *rows]]
+    lines += [f"note: {n}" for n in kernel_profile.get("notes", [])]
+    lines.append("host time: this machine, the package's own kernel objects, median over the calls of one run; "
+                 "it varies from run to run (the other figures do not)")
+    return lines
