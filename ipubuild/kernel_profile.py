@@ -139,10 +139,11 @@ def _executed(package: bytes, inputs: dict, workdir: Path, counted: dict[str, by
             yield kname, a, lambda fn=fn, mem=mem, address=address: fn(mem, address)
 
 
-def _inputs(ctx) -> dict:
-    from .artifacts import graph_of
-    g = graph_of(ctx)
-    arrays = tensors.unpack(ctx.bytes("params"))
+def _inputs(graph: dict, params: bytes) -> dict:
+    """The program's inputs by name, from the ``graph`` and ``params`` artifacts."""
+    from .ir import Graph
+    g = Graph.from_json(graph)
+    arrays = tensors.unpack(params)
     return {g.values[v].name: arrays[f"v{v}"] for v in g.inputs}
 
 
@@ -160,7 +161,8 @@ def measure_kernels(ctx):
     kinds: dict[str, dict] = {}
     estimates: dict[tuple, int] = {}
     with tempfile.TemporaryDirectory(prefix="ipubuild-measure-") as work:
-        for kname, a, call in _executed(ctx.bytes("package"), _inputs(ctx), Path(work), objects):
+        for kname, a, call in _executed(ctx.bytes("package"), _inputs(ctx.json("graph"), ctx.bytes("params")),
+                                            Path(work), objects):
             _, blocks = call()
             key = (kname, *a)
             if key not in estimates:
@@ -188,10 +190,10 @@ def measure_kernels(ctx):
 
 
 # doit profile:<target>: host time per kernel, measured on demand ---------------------------------
-def host_times(package: bytes, inputs: dict, repeat: int = 1) -> dict[str, dict]:
+def host_times(package: bytes, inputs: dict, repeat: int = 3) -> dict[str, dict]:
     """Host time of each kernel variant's vertex calls, running the package's own objects on this
-    machine: ``{variant: {"calls", "median_ns", "total_ns"}}``. It varies from run to run, so it
-    is never part of an artifact."""
+    machine ``repeat`` times: ``{variant: {"calls", "median_ns"}}``, the median over every call
+    of every run. It varies from run to run, so it is never part of an artifact."""
     times: dict[str, list[int]] = {}
     clock = time.perf_counter_ns
     for _ in range(repeat):
@@ -200,8 +202,7 @@ def host_times(package: bytes, inputs: dict, repeat: int = 1) -> dict[str, dict]
                 t0 = clock()
                 call()
                 times.setdefault(kname, []).append(clock() - t0)
-    return {k: {"calls": len(v) // repeat, "median_ns": int(statistics.median(v)), "total_ns": sum(v) // repeat}
-            for k, v in sorted(times.items())}
+    return {k: {"calls": len(v) // repeat, "median_ns": int(statistics.median(v))} for k, v in sorted(times.items())}
 
 
 def host_time_table(kernel_profile: dict, times: dict[str, dict]) -> list[str]:
@@ -222,6 +223,29 @@ def host_time_table(kernel_profile: dict, times: dict[str, dict]) -> list[str]:
     lines = ["  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r))
              for r in [head, *rows]]
     lines += [f"note: {n}" for n in kernel_profile.get("notes", [])]
-    lines.append("host time: this machine, the package's own kernel objects, median over the calls of one run; "
-                 "it varies from run to run (the other figures do not)")
     return lines
+
+
+def profile_lines(root: Path, target: str) -> list[str]:
+    """The kernel table of ``doit profile:<target>``: the build's kernel profile, and host time
+    measured now on the built package (or a line saying why it could not be)."""
+    from .engine import MissingBlob
+    from .pipeline import Workspace
+    out = Path(root) / "artifacts" / target
+    try:
+        kernel_profile = canonical.loads((out / f"{target}.kernels.json").read_bytes())
+    except (OSError, ValueError):
+        return [f"no kernel figures: artifacts/{target}/{target}.kernels.json is missing or unreadable; "
+                f"run `doit build:{target}`"]
+    try:
+        ws = Workspace.at(root)
+        digests = [ws.read_ref(f"{target}/{a}") for a in ("graph", "params")]
+        if None in digests:
+            raise UserError(f"{target}", "the build's graph or inputs are not in the cache")
+        graph, params = (ws.engine.fetch(d) for d in digests)
+        times = host_times((out / f"{target}.ipuexe").read_bytes(), _inputs(canonical.loads(graph), params))
+        note = ("host time: this machine, the package's own kernel objects, the median over the calls of 3 runs; "
+                "it varies from run to run (the other figures do not)")
+    except (OSError, UserError, MissingBlob) as exc:
+        times, note = {}, f"host time not measured: {exc}; run `doit build:{target}`"
+    return [*host_time_table(kernel_profile, times), note]
