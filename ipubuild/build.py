@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .kernels import compiler, compiler_identity, kernel_sources
+from .kernels import COUNTER, compiler, compiler_identity, kernel_sources
 from .machine import MACHINES, load_machine
 from .operators import registry
 from .pipeline import Step
@@ -72,13 +72,9 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
              doc="build the model graph and place the FP8 casts"),
         step("compile_kernels", "compile_kernels", {"graph": a("graph")},
              {"objects": a("kernel_objects"), "code_sizes": a("kernel_code_sizes"),
-              "reservations": a("kernel_reservations")},
-             sources=sources, config=compile_cfg,
-             doc="compile the kernel variants the target uses (each one a cached action)"),
-        step("compile_counted_kernels", "compile_counted_kernels", {"graph": a("graph")},
-             {"counted_objects": a("counted_kernels")},
-             sources={**sources, "counter": tree_path(kernel_profile.COUNTER, root)}, config=compile_cfg,
-             doc="compile the kernel variants again, counting the basic blocks they execute"),
+              "reservations": a("kernel_reservations"), "counted_objects": a("kernel_counted_objects")},
+             sources={**sources, "counter": tree_path(COUNTER, root)}, config=compile_cfg,
+             doc="compile the kernel variants the target uses, and their counted builds (each one a cached action)"),
         step("compile_runtime", "compile_runtime", {"machine": machine}, {"runtime": a("runtime")}),
         step("plan_package", "plan_package", {"graph": a("graph"), "machine": machine, "runtime": a("runtime"),
                                               "reservations": a("kernel_reservations")},
@@ -127,7 +123,7 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
              files={"profile": out / f"{t}.profile.json", "trace": out / f"{t}.device.trace.json"}),
         step("measure_kernels", "measure_kernels",
              {"package": a("package"), "params": a("params"), "graph": a("graph"),
-              "counted_objects": a("counted_kernels")},
+              "counted_objects": a("kernel_counted_objects")},
              {"kernel_profile": a("kernel_profile")}, files={"kernel_profile": out / f"{t}.kernels.json"},
              doc="count the basic blocks each kernel variant executes on the build's inputs"),
         step("check_numerics", "check_numerics", {"device_run": a("device_run"), "reference": a("reference"),

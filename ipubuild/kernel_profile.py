@@ -2,18 +2,20 @@
 
 The cycle estimators (``KernelVariant.cycles``) model a kernel; they do not read its code, so an
 edit to a kernel's C source leaves the device profile's cycles as they were. This module measures
-the code itself. ``compile_counted_kernels`` compiles every variant the target uses a second time,
-with ``-fsanitize-coverage=trace-pc`` and ``block_counter.c`` (the compiler calls a counting
-function at the start of every basic block it emits); ``measure_kernels`` runs the package's
+the code itself. ``compile_kernels`` compiles every variant the target uses a second time, with
+``-fsanitize-coverage=trace-pc`` and ``kernels/counter/block_counter.c`` (the compiler calls a
+counting function at the start of every basic block it emits); ``measure_kernels`` runs the package's
 program on the host — the simulator's loading and exchange, with the counted objects in place of
 the package's — and records, per kernel variant, its calls, the blocks they executed (in all, and
 the fewest and most of one call) and its estimator's cycles. A count depends only on the
 compiled code and the data the call reads, so the result is the same on every run and is an
 ordinary content-addressed artifact (``<target>.kernels.json``, and a table on the profile page).
 
-Neither phase is upstream of planning or of the package: editing only kernel code re-runs them
-(and the device run) and no planning phase. A compiler without the flag, or a variant that does
-not compile with it, leaves that variant's figures out, with a one-line note saying why.
+Planning reads only the plain objects' reservations, and the package only the plain objects: the
+counted ones feed ``measure_kernels`` alone, so editing only kernel code re-runs the compile, the
+images, the package, the device run and this measurement, and no planning phase. A compiler
+without the flag, or a variant that does not compile with it, leaves that variant's figures out,
+with a one-line note saying why.
 
 Host time is not measured here: it varies from run to run, and every artifact of a build must be
 reproducible; ``doit profile:<target>`` measures it on demand (``host_times``).
@@ -21,59 +23,15 @@ reproducible; ``doit profile:<target>`` measures it on demand (``host_times``).
 from __future__ import annotations
 
 import ctypes
-import os
 import statistics
 import tempfile
 import time
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from . import canonical, tensors
 from .engine import phase
 from .errors import UserError
-from .executors import run_phases
-from .kernels import compile_jobs, run_compiler
-
-COUNTER = Path(__file__).resolve().parent / "block_counter.c"
-COUNTER_NAME = "ipu_block_counter.c"     # its name beside the kernel source in the scratch folder
-COUNT_FLAGS = "-fsanitize-coverage=trace-pc"
-
-
-@phase("compile_counted_kernel", inputs=("source", "header/*", "counter"), outputs=("object", "note"),
-       config=("kernel", "compiler"))
-def compile_counted_kernel(ctx):
-    """One variant compiled with basic-block counting: its object, or none and a one-line note."""
-    k, c = ctx.config["kernel"], ctx.config["compiler"]
-    files = {k["where"]: ctx.bytes("source"),
-             **{name: ctx.engine.fetch(d) for name, d in ctx.family("header").items()},
-             str(PurePosixPath(k["where"]).parent / COUNTER_NAME): ctx.bytes("counter")}
-    code, obj, diagnostics = run_compiler(k["name"], k["source_name"], files, k["where"], k["defines"], c["cc"],
-                                          f"{c['cflags']} {COUNT_FLAGS}", extra=(COUNTER_NAME,))
-    if code == 0:
-        return {"object": obj, "note": b""}
-    first = next((ln for ln in diagnostics.splitlines() if "error" in ln), f"exit status {code}").strip()
-    return {"object": b"", "note": f"{c['cc']} {COUNT_FLAGS} failed: {first}".encode()}
-
-
-@phase("compile_counted_kernels", inputs=("graph", "source/*", "counter"), outputs=("counted_objects",),
-       config=("compiler",), hooks=("ipubuild_operators",))
-def compile_counted_kernels(ctx):
-    """The counted objects of the variants the target's graph can use: ``{"objects": {variant:
-    digest}, "notes": {variant: why it has none}}``."""
-    jobs = compile_jobs(ctx)
-    for inputs, _ in jobs.values():
-        inputs["counter"] = ctx.digest("counter")
-    names = sorted(jobs)
-    results = run_phases(ctx.engine, [("compile_counted_kernel", *jobs[n]) for n in names],
-                         threads=os.cpu_count() or 1)
-    objects, notes = {}, {}
-    for name, r in zip(names, results):
-        note = ctx.engine.fetch(r.outputs["note"]).decode()
-        if note:
-            notes[name] = note
-        else:
-            objects[name] = r.outputs["object"]
-    return {"counted_objects": canonical.dumps({"objects": objects, "notes": notes})}
-
+from .kernels import COUNT_FLAGS
 
 def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path) -> dict:
     """The package's kernels ``plain`` with each one's counted object (if it has one) in their

@@ -58,7 +58,7 @@ def test_a_kernel_code_edit_changes_its_measured_figures_and_plans_nothing(built
     run = doit(tree, f"build:{NAME}", environ=environ)
     assert_passed(run, NAME)
     ran = {t.split(":")[0] for t in run.executed}
-    assert {"compile_kernels", "compile_counted_kernels", "measure_kernels", "report_profile"} <= ran, run.executed
+    assert {"compile_kernels", "measure_kernels", "report_profile"} <= ran, run.executed
     assert not ran & set(PLANNING_TASKS), run.executed
     after = _kernels(tree)
     for name, k in before["kernels"].items():
@@ -105,3 +105,25 @@ def test_a_compiler_without_block_counting_leaves_the_figures_out_with_a_note(bu
     assert "Note: no basic-block counts for" in page
     profile = doit(tree, f"profile:{NAME}", environ=env(tree))
     assert profile.returncode == 0 and "note: no basic-block counts for" in profile.stdout, profile.tail()
+
+
+# --- the estimators beside the kernels --------------------------------------------------------
+
+def test_each_builtin_kernel_has_its_estimators_beside_it_in_the_planning_fingerprint():
+    """Every built-in variant's estimator comes from the ``<kernel>_cycles.py`` beside its C source;
+    those files are in the code fingerprint of the operators plugin (which the planning phases
+    include), the C sources and the compile machinery (``ipubuild.kernels`` itself) are not."""
+    from ipubuild.fingerprint import closure, files_of
+    from ipubuild.operators import registry
+    builtin = {name: kv for name, kv in registry().kernels.items()
+               if Path(kv.source).parent == Path(__file__).resolve().parent.parent / "ipubuild" / "kernels"}
+    assert len(builtin) > 20
+    for name, kv in builtin.items():
+        here = Path(kv.source).with_name(Path(kv.source).stem + "_cycles.py")
+        assert here.is_file(), name
+        assert kv.cycles.__module__ == f"ipubuild.kernels.{here.stem}", (name, kv.cycles.__module__)
+    modules = closure("ipubuild.builtin.operators")
+    files = {Path(f).name for f in files_of("ipubuild.builtin.operators")}
+    assert {f"{Path(kv.source).stem}_cycles.py" for kv in builtin.values()} | {"cycles.py"} <= files
+    assert "ipubuild.kernels" not in modules and "ipubuild.kernel_profile" not in modules
+    assert not any(f.endswith((".c", ".h")) for f in files)

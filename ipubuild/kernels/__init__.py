@@ -32,6 +32,9 @@ from ..log import log
 KERNEL_DIR = Path(__file__).resolve().parent
 DEFAULT_CFLAGS = "-O2 -std=c11 -Wall -fPIC -shared"
 SOURCE_SUFFIXES = (".c", ".h")
+COUNTER = KERNEL_DIR / "counter" / "block_counter.c"
+COUNTER_NAME = "ipu_block_counter.c"     # its name beside the kernel source in the scratch folder
+COUNT_FLAGS = "-fsanitize-coverage=trace-pc"
 
 
 def compiler() -> tuple[str, str]:
@@ -198,6 +201,25 @@ def compile_kernel_phase(ctx):
             "diagnostics": diagnostics.encode()}
 
 
+@phase("compile_counted_kernel", inputs=("source", "header/*", "counter"), outputs=("object", "note"),
+       config=("kernel", "compiler"))
+def compile_counted_kernel(ctx):
+    """One variant's counted build: compiled with ``COUNT_FLAGS`` and ``counter/block_counter.c``
+    (which counts the basic blocks it executes; see ``ipubuild.kernel_profile``). A compiler
+    without the flag gives no object and a one-line note instead of an error: the counts are an
+    extra, the build goes on without them."""
+    k, c = ctx.config["kernel"], ctx.config["compiler"]
+    files = {k["where"]: ctx.bytes("source"),
+             **{name: ctx.engine.fetch(d) for name, d in ctx.family("header").items()},
+             str(PurePosixPath(k["where"]).parent / COUNTER_NAME): ctx.bytes("counter")}
+    code, obj, diagnostics = run_compiler(k["name"], k["source_name"], files, k["where"], k["defines"], c["cc"],
+                                          f"{c['cflags']} {COUNT_FLAGS}", extra=(COUNTER_NAME,))
+    if code == 0:
+        return {"object": obj, "note": b""}
+    first = next((ln for ln in diagnostics.splitlines() if "error" in ln), f"exit status {code}").strip()
+    return {"object": b"", "note": f"{c['cc']} {COUNT_FLAGS} failed: {first}".encode()}
+
+
 def used_variants(graph, registry) -> list[str]:
     """The kernel variants some plan of some operation of ``graph`` may call."""
     names = set()
@@ -232,21 +254,25 @@ def compile_jobs(ctx) -> dict[str, tuple[dict, dict]]:
     return jobs
 
 
-@phase("compile_kernels", inputs=("graph", "source/*"),
-       outputs=("objects", "code_sizes", "reservations", "diagnostics"),
+@phase("compile_kernels", inputs=("graph", "source/*", "counter"),
+       outputs=("objects", "code_sizes", "reservations", "diagnostics", "counted_objects"),
        config=("compiler", "kernel_quantum"), hooks=("ipubuild_operators",))
 def compile_kernels(ctx):
     """Compile the kernel variants the target's graph can use; their objects (a family index),
     exact code sizes, reservations (the only part planning reads) and the compiler's warnings
     (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
-    comes from the cache: see ``ipubuild.tasks``)."""
+    comes from the cache: see ``ipubuild.tasks``); and each variant's counted build
+    (``{"objects": {variant: digest}, "notes": {variant: why it has none}}``), which only
+    ``measure_kernels`` reads."""
     jobs = compile_jobs(ctx)
     names = sorted(jobs)        # compiled concurrently here, or on a cluster
-    results = dict(zip(names, run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names],
-                                         threads=os.cpu_count() or 1)))
+    counted_jobs = [("compile_counted_kernel", {**jobs[n][0], "counter": ctx.digest("counter")}, jobs[n][1])
+                    for n in names]
+    results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
+                         threads=os.cpu_count() or 1)
     quantum = ctx.config["kernel_quantum"]
     objects, sizes, reserved, warnings = {}, {}, {}, {}
-    for name, r in sorted(results.items()):
+    for name, r in zip(names, results):
         if not r.hit:
             log.info("compiled kernel variant", variant=name, elapsed_ms=r.elapsed_ms)
         diagnostics = ctx.engine.fetch(r.outputs["diagnostics"]).decode()
@@ -257,5 +283,13 @@ def compile_kernels(ctx):
         objects[name] = r.outputs["object"]
         sizes[name] = ctx.engine.decoded(r.outputs["code_size"])["code_bytes"]
         reserved[name] = reserve(sizes[name], quantum)
+    counted, notes = {}, {}
+    for name, r in zip(names, results[len(names):]):
+        note = ctx.engine.fetch(r.outputs["note"]).decode()
+        if note:
+            notes[name] = note
+        else:
+            counted[name] = r.outputs["object"]
     return {"objects": canonical.dumps(objects), "code_sizes": canonical.dumps(sizes),
-            "reservations": canonical.dumps(reserved), "diagnostics": canonical.dumps(warnings)}
+            "reservations": canonical.dumps(reserved), "diagnostics": canonical.dumps(warnings),
+            "counted_objects": canonical.dumps({"objects": counted, "notes": notes})}

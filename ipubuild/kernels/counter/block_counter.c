@@ -1,4 +1,4 @@
-/* block_counter.c -- counts the basic blocks a kernel executes (see ipubuild/kernel_profile.py).
+/* block_counter.c -- counts the basic blocks a kernel executes (see ipubuild/kernels/__init__.py and ipubuild/kernel_profile.py).
  *
  * Compiled into a kernel's counted variant with -fsanitize-coverage=trace-pc: the compiler calls
  * __sanitizer_cov_trace_pc at the start of every basic block it emits, and this file counts
