@@ -33,6 +33,7 @@ from .engine import phase
 from .errors import UserError
 from .kernels import COUNT_FLAGS
 
+
 def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path) -> dict:
     """The package's kernels ``plain`` with each one's counted object (if it has one) in their
     place: ``fn(mem, args)`` returns ``(result, blocks or None)``."""
@@ -66,19 +67,17 @@ def _counting(fn):
     return call
 
 
-def _executed(package: bytes, inputs: dict, workdir: Path, counted: dict[str, bytes] | None = None):
-    """Run the package's program on the host, one vertex after another in program order: yield
-    ``(kernel, args, call)`` for every vertex call, in order, and the caller makes the ``call()``
-    (with ``counted``, see ``_counted_kernels``)."""
+def _executed(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes] | None = None):
+    """Run the program of ``pkg`` (a ``Package``) on the host, one vertex after another in
+    program order: yield ``(kernel, args, call)`` for every vertex call, in order, and the caller
+    makes the ``call()`` (with ``counted``, see ``_counted_kernels``)."""
     from .builtin.simulator import Simulator, _input_bytes, _Plan, _row, run_exchange
-    from .package import Package
 
     class Host(Simulator):
         def _load_kernels(self, pkg, workdir):
             plain = super()._load_kernels(pkg, workdir)
             return plain if counted is None else _counted_kernels(plain, counted, workdir)
 
-    pkg = Package(package, "package")
     m = pkg.manifest
     machine = m["machine"]
     memory, row_of, programs, tables = Host()._load(pkg, machine, workdir)
@@ -115,29 +114,28 @@ def measure_kernels(ctx):
     reg = registry()
     counted = ctx.json("counted_objects")
     objects = {name: ctx.engine.fetch(d) for name, d in counted["objects"].items()}
-    machine = Package(ctx.bytes("package"), "package").manifest["machine"]
+    pkg = Package(ctx.bytes("package"), "package")
+    machine = pkg.manifest["machine"]
     kinds: dict[str, dict] = {}
     estimates: dict[tuple, int] = {}
     with tempfile.TemporaryDirectory(prefix="ipubuild-measure-") as work:
-        for kname, a, call in _executed(ctx.bytes("package"), _inputs(ctx.json("graph"), ctx.bytes("params")),
-                                            Path(work), objects):
+        for kname, a, call in _executed(pkg, _inputs(ctx.json("graph"), ctx.bytes("params")), Path(work), objects):
             _, blocks = call()
             key = (kname, *a)
             if key not in estimates:
                 estimates[key] = int(reg.kernels[kname].cycles(a, machine))
             k = kinds.setdefault(kname, {"calls": 0, "estimated_cycles": 0, "blocks": 0,
-                                         "blocks_per_call": [None, None]})
+                                         "blocks_per_call": None})
             k["calls"] += 1
             k["estimated_cycles"] += estimates[key]
-            if blocks is None:
-                k["blocks"] = None
-            elif k["blocks"] is not None:
-                k["blocks"] += blocks
-                lo, hi = k["blocks_per_call"]
-                k["blocks_per_call"] = [blocks if lo is None else min(lo, blocks), blocks if hi is None else max(hi, blocks)]
-    for name, k in kinds.items():
-        if k["blocks"] is None:
-            k["blocks_per_call"] = None
+            if blocks is None:          # no counted build: every call of the variant is uncounted
+                continue
+            k["blocks"] += blocks
+            lo, hi = k["blocks_per_call"] or (blocks, blocks)
+            k["blocks_per_call"] = [min(lo, blocks), max(hi, blocks)]
+    for name in kinds:
+        if name not in objects:
+            kinds[name]["blocks"] = None
     by_reason: dict[str, list[str]] = {}
     for name, note in sorted(counted["notes"].items()):
         by_reason.setdefault(note, []).append(name)
@@ -152,11 +150,13 @@ def host_times(package: bytes, inputs: dict, repeat: int = 3) -> dict[str, dict]
     """Host time of each kernel variant's vertex calls, running the package's own objects on this
     machine ``repeat`` times: ``{variant: {"calls", "median_ns"}}``, the median over every call
     of every run. It varies from run to run, so it is never part of an artifact."""
+    from .package import Package
+    pkg = Package(package, "package")
     times: dict[str, list[int]] = {}
     clock = time.perf_counter_ns
     for _ in range(repeat):
         with tempfile.TemporaryDirectory(prefix="ipubuild-time-") as work:
-            for kname, _, call in _executed(package, inputs, Path(work)):
+            for kname, _, call in _executed(pkg, inputs, Path(work)):
                 t0 = clock()
                 call()
                 times.setdefault(kname, []).append(clock() - t0)
