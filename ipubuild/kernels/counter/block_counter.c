@@ -1,4 +1,4 @@
-/* block_counter.c -- counts the basic blocks a kernel executes (see ipubuild/kernels/__init__.py and ipubuild/kernel_profile.py).
+/* block_counter.c -- counts the basic blocks a kernel executes (see ipubuild/kernel_profile.py).
  *
  * Compiled into a kernel's counted variant with -fsanitize-coverage=trace-pc: the compiler calls
  * __sanitizer_cov_trace_pc at the start of every basic block it emits, and this file counts
@@ -6,7 +6,8 @@
  * reads, so it is the same on every run. Nothing here is instrumented itself.
  *
  * Exported: int ipu_counted_vertex(uint8_t *mem, const uint32_t *args, uint64_t *blocks)
- *   runs ipu_vertex(mem, args), stores the blocks it executed in *blocks, returns its result.
+ *   runs ipu_vertex(mem, args), stores the blocks it executed in *blocks, returns its result;
+ *   not reentrant: call it from one thread at a time.
  */
 #include <stdint.h>
 
@@ -18,7 +19,9 @@
 
 int ipu_vertex(uint8_t *mem, const uint32_t *args);
 
-static _Thread_local uint64_t ipu_blocks;
+/* A plain static, not thread-local: a thread-local in a shared object costs a __tls_get_addr
+ * call per block (twice the measurement's time). The measurement runs one vertex at a time. */
+static uint64_t ipu_blocks;
 
 IPU_NOT_COUNTED __attribute__((visibility("hidden"))) void __sanitizer_cov_trace_pc(void)
 {
