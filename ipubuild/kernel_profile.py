@@ -31,7 +31,7 @@ from pathlib import Path
 from . import canonical, tensors
 from .engine import phase
 from .errors import UserError
-from .kernels import COUNT_FLAGS
+from .kernels import COUNT_FLAGS, counting
 
 
 def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path) -> dict:
@@ -105,10 +105,16 @@ def _inputs(graph: dict, params: bytes) -> dict:
 
 
 @phase("measure_kernels", inputs=("package", "params", "graph", "counted_objects"), outputs=("kernel_profile",),
-       hooks=("ipubuild_operators",))
+       config=("profile.kernel_counts", "target.tile_count"), hooks=("ipubuild_operators",))
 def measure_kernels(ctx):
     """Per kernel variant: calls, estimated cycles (its estimator) and executed basic blocks
-    (``<target>.kernels.json``; see the module's docstring)."""
+    (``<target>.kernels.json``; see the module's docstring). With the target's ``[profile]
+    kernel_counts`` off, only a note saying so."""
+    if not counting(ctx.config):
+        return {"kernel_profile": canonical.dumps({
+            "measure": "", "kernels": {}, "notes": [
+                f"kernels not counted: [profile] kernel_counts = {ctx.config['profile']['kernel_counts']!r} "
+                f"on {ctx.config['target']['tile_count']} tiles; set it to \"on\" to count them"]})}
     from .operators import registry
     from .package import Package
     reg = registry()

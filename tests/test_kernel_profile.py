@@ -107,6 +107,21 @@ def test_a_compiler_without_block_counting_leaves_the_figures_out_with_a_note(bu
     assert profile.returncode == 0 and "note: no basic-block counts for" in profile.stdout, profile.tail()
 
 
+def test_a_target_that_does_not_count_its_kernels_compiles_and_runs_them_once(built, tmp_path):
+    """``[profile] kernel_counts = "off"`` (what ``auto`` means above 256 tiles): no counted
+    compile, no second run of the program, a note that says how to switch it on."""
+    tree = _copy(built, tmp_path)
+    target = tree / "targets" / f"{NAME}.toml"
+    target.write_text(target.read_text() + '\n[profile]\nkernel_counts = "off"\n')
+    run = doit(tree, f"build:{NAME}", environ=env(tree))
+    assert_passed(run, NAME)
+    assert json.loads(Workspace.at(tree).engine.fetch(Workspace.at(tree).read_ref(f"{NAME}/kernel_counted_objects"))) \
+        == {"notes": {}, "objects": {}}
+    k = _kernels(tree)
+    assert k["kernels"] == {} and len(k["notes"]) == 1, k
+    assert "kernel_counts = 'off'" in k["notes"][0] and 'set it to "on"' in k["notes"][0]
+
+
 # --- the estimators beside the kernels --------------------------------------------------------
 
 def test_each_builtin_kernel_has_its_estimators_beside_it_in_the_planning_fingerprint():

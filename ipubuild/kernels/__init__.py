@@ -36,6 +36,19 @@ COUNTER = KERNEL_DIR / "counter" / "block_counter.c"
 COUNTER_NAME = "ipu_block_counter.c"     # its name beside the kernel source in the scratch folder
 COUNT_FLAGS = "-fsanitize-coverage=trace-pc"
 
+#: the largest tile count whose kernels ``[profile] kernel_counts = "auto"`` counts: counting
+#: compiles every variant twice and runs the program a second time on one thread (vit_fp8, 64
+#: tiles: 0.6 s; ViT-B/16 on 1472 tiles: 31 s, as long as its device run)
+AUTO_MAX_TILES = 256
+
+
+def counting(config: dict) -> bool:
+    """Whether a target (its resolved ``config``) counts its kernels' basic blocks."""
+    setting = config["profile"]["kernel_counts"]
+    return setting == "on" or (setting == "auto" and config["target"]["tile_count"] <= AUTO_MAX_TILES)
+
+
+
 
 def compiler() -> tuple[str, str]:
     """The C compiler and flags: ``$IPUBUILD_CC`` (else ``$CC``, else ``cc``) and
@@ -256,18 +269,19 @@ def compile_jobs(ctx) -> dict[str, tuple[dict, dict]]:
 
 @phase("compile_kernels", inputs=("graph", "source/*", "counter"),
        outputs=("objects", "code_sizes", "reservations", "diagnostics", "counted_objects"),
-       config=("compiler", "kernel_quantum"), hooks=("ipubuild_operators",))
+       config=("compiler", "kernel_quantum", "profile.kernel_counts", "target.tile_count"),
+       hooks=("ipubuild_operators",))
 def compile_kernels(ctx):
     """Compile the kernel variants the target's graph can use; their objects (a family index),
     exact code sizes, reservations (the only part planning reads) and the compiler's warnings
     (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
     comes from the cache: see ``ipubuild.tasks``); and each variant's counted build
     (``{"objects": {variant: digest}, "notes": {variant: why it has none}}``), which only
-    ``measure_kernels`` reads."""
+    ``measure_kernels`` reads (none when the target does not count them: ``counting``)."""
     jobs = compile_jobs(ctx)
     names = sorted(jobs)        # compiled concurrently here, or on a cluster
     counted_jobs = [("compile_counted_kernel", {**jobs[n][0], "counter": ctx.digest("counter")}, jobs[n][1])
-                    for n in names]
+                    for n in names] if counting(ctx.config) else []
     results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
                          threads=os.cpu_count() or 1)
     quantum = ctx.config["kernel_quantum"]
