@@ -312,6 +312,10 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
         "max_abs_error": Field(float, 0.25, min=0, min_exclusive=True,
                                doc="Largest absolute error to the reference accepted."),
         "blas_threads": Field(int, 1, min=1, max=256, doc="Threads for the reference BLAS."),
+        "compare": Field(str, "auto", choices=["auto", "operations", "outputs"],
+                         doc="Also compare every operation's output, read back from the device, with its "
+                             "reference on the device's inputs ('operations'), or the graph's outputs only; "
+                             "'auto': operations unless their values take more than 256 MiB."),
     },
     "search": {
         "rounds": Field(int, 3, min=0, max=1000, doc="Search rounds after the initial plan."),
