@@ -131,7 +131,7 @@ def check_numerics(ctx):
         consts, inputs = params_of(ctx, g)
         operations.update(compare.check_operations(g, consts, inputs, values, vmap))
         if operations["first"]:
-            log.warning(diverged(operations["first"]))
+            log.info(diverged(operations["first"]))
     else:
         operations["why"] = why
     profile = ctx.json("profile")

@@ -19,7 +19,7 @@ def diverged(first: dict) -> str:
     """The first diverging operation, its worst element and who computed it."""
     w = first["worst"]
     at = ", ".join(str(x) for x in w["element"])
-    how = (f"{w['ulps']} ulps of {first['dtype']} outside its tolerance" if "ulps" in w
+    how = (f"{w['ulps']} ulp{'' if w['ulps'] == '1' else 's'} of {first['dtype']} outside its tolerance" if "ulps" in w
            else f"error {w['error']} > tolerance {w['tolerance']}")
     vertex = w.get("vertex")
     vertex = f"vertices {vertex[0]}-{vertex[1]}" if isinstance(vertex, list) else f"vertex {vertex}"
@@ -45,13 +45,14 @@ def failure_line(verdict: dict, target_path: str, device: str) -> str | None:
         if not failures:
             return f"device {device}: a vertex reported an error"
         more = verdict.get("device_failure_count", len(failures)) - 1
-        return f"device {device}: " + device_failure(failures[0]) + (f" (and {more} more failures)" if more > 0 else "")
+        return (f"device {device}: " + device_failure(failures[0])
+                + (f" (and {more} more failure{'s' if more > 1 else ''})" if more > 0 else ""))
     if verdict["pass"]:
         return None
     ops = verdict.get("operations", {})
     if ops.get("first"):
         more = len(ops["diverged"]) - 1
         return (f"{target_path}: numerics: " + diverged(ops["first"])
-                + (f"; {more} more operations diverge" if more > 0 else ""))
+                + (f"; {more} more operation{'s diverge' if more > 1 else ' diverges'}" if more > 0 else ""))
     gates = gate_failures(verdict)
     return (f"{target_path}: numerics: numerical test failed ({', '.join(gates) or 'no finite result'})")

@@ -92,11 +92,15 @@ class Simulator:
             for s in range(host["run"]["phases"]):
                 for f in plan.exchange_failures.get(s, []):
                     failures.append({"kind": "exchange", "step": s, "name": names[s], **f})
+                    (log.warning if len(failures) == 1 else log.info)(
+                        "exchange outside data memory", step=s, name=names[s], reason=repr(f["reason"]))
                 run_exchange(memory, row_of, plan.entries[s])
                 for f in plan.execute(s, pool):
                     failures.append({"kind": "vertex", "step": s, "name": names[s], **f})
-                    log.warning("vertex failed", step=s, name=names[s], tile=f["tile"], vertex=f["vertex"],
-                                kernel=f["kernel"], code=f["code"], reason=repr(f["reason"]))
+                    # the first on the console, the rest in the log (the profile counts them all)
+                    (log.warning if len(failures) == 1 else log.info)(
+                        "vertex failed", step=s, name=names[s], tile=f["tile"], vertex=f["vertex"],
+                        kernel=f["kernel"], code=f["code"], reason=repr(f["reason"]))
                 for probe in probes.get(s, ()):
                     values[probe["name"]] = read_blocks(memory, row_of, probe)
         sync = machine["exchange"]["sync_cycles"]
