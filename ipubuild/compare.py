@@ -28,16 +28,24 @@ from .ir import DTYPES, FP8, Graph, Op
 from .operators import registry
 
 # compare = "auto": operations when the values read back take at most this many bytes. The
-# shipped targets read back about 3 MiB (vit_fp8: the comparison's cost, benchmarks/numerics.py);
-# a 12-block ViT on 1472 tiles 31 MiB, ViT-B/16 123 MiB — not measured affordable, so off there.
+# one-block targets read back 3.2 MiB (vit_fp8: about 0.25-0.5 s more a build); a 12-block ViT
+# on 1472 tiles 31 MiB, ViT-B/16 123 MiB (about 10 s more a build: benchmarks/numerics.py), off
+# unless the target says compare = "operations".
 AUTO_LIMIT_BYTES = 16 << 20
 MODES = ("auto", "operations", "outputs")
 
 
-@phase("map_values", inputs=("graph", "program", "storage"), outputs=("value_map",))
+@phase("map_values", inputs=("graph", "program", "storage"), outputs=("value_map",), config=("numerics.compare",))
 def map_values(ctx):
-    """Where each value an operation computes lies when the step that writes it ends."""
-    return {"value_map": to_json(value_map(graph_of(ctx), ctx.json("program"), ctx.json("storage")))}
+    """Where each value an operation computes lies when the step that writes it ends, and
+    (``bytes``) how much they take; no values when the comparison is of the graph's outputs only
+    (the map of a 12-block ViT on 1472 tiles takes seconds)."""
+    g = graph_of(ctx)
+    size = sum(int(np.prod(g.values[v].shape, dtype=np.int64)) * DTYPES[g.values[v].dtype]
+               for op in g.ops for v in op.outputs)
+    if mode(ctx.config["numerics"]["compare"], {"bytes": size})[0] == "outputs":
+        return {"value_map": to_json({"values": [], "bytes": size})}
+    return {"value_map": to_json({**value_map(g, ctx.json("program"), ctx.json("storage")), "bytes": size})}
 
 
 def value_map(graph: Graph, program: dict, storage: dict) -> dict:
@@ -88,7 +96,10 @@ def probes(vmap: dict) -> dict[int, list[dict]]:
 
 
 def read_back_bytes(vmap: dict) -> int:
-    """Bytes of every value the per-operation comparison reads back."""
+    """Bytes of every value the per-operation comparison reads back (``bytes``: every value an
+    operation computes, as ``map_values`` counts them)."""
+    if "bytes" in vmap:
+        return vmap["bytes"]
     return sum(int(np.prod(v["shape"], dtype=np.int64)) * DTYPES[v["dtype"]] for v in vmap["values"])
 
 

@@ -4,6 +4,7 @@ that the built-in operators' tolerances hold for the real C kernels (no false al
 accumulation order or their libm) while a small real bug exceeds them."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -74,10 +75,38 @@ def test_compare_mode():
     assert mode("outputs", small) == ("outputs", 'numerics.compare = "outputs"')
     assert mode("auto", huge)[0] == "outputs" and "1024 MiB, more than 16 MiB" in mode("auto", huge)[1]
     # the limit: on for the shipped targets (vit_fp8 reads back 3.2 MiB), off for a 12-block ViT
-    # (width 192: 31 MiB; ViT-B/16: 123 MiB), whose cost benchmarks/numerics.py has not measured
+    # (width 192: 31 MiB; ViT-B/16: 123 MiB, about 10 s more a build: benchmarks/numerics.py)
     assert mode("auto", {"values": [{"shape": [16 << 20], "dtype": "f143"}]})[0] == "operations"
     assert mode("auto", {"values": [{"shape": [(16 << 20) + 1], "dtype": "f143"}]})[0] == "outputs"
     assert mode("auto", {"values": [{"shape": [31 << 20], "dtype": "f143"}]})[0] == "outputs"
+
+
+
+def test_values_are_mapped_only_when_operations_are_compared():
+    """map_values decides from the graph's value sizes: comparing outputs only (or "auto" past
+    the limit), it maps nothing (a 12-block ViT's map takes seconds), but says the size."""
+    from ipubuild.compare import AUTO_LIMIT_BYTES, map_values
+
+    class Ctx:
+        def __init__(self, g, setting):
+            self.g, self.config = g, {"numerics": {"compare": setting}}
+
+        def json(self, name):
+            # one step: tile 0's vertex 0 writes the gelu's output (value 1) at address 1024
+            rows, cols = self.g.values[1].shape[0], int(np.prod(self.g.values[1].shape[1:]))
+            step = {"op": 0, "vertices": {"0": [["gelu_f32_f32", []]]}, "writes": [[0, 0, "v1", 0, rows, 0, cols, 0, 1]]}
+            return {"graph": self.g.to_json(), "program": {"steps": [step]}, "storage": {"0": {"addresses": [1024]}}}[name]
+
+    small, _ = graph_of("gelu", [("x", np.zeros((4, 8), np.float32), "f32", 0)])
+    big, _ = graph_of("gelu", [("x", np.zeros((AUTO_LIMIT_BYTES // 4 + 1,), np.float32), "f32", 0)])
+    maps = {(n, s): json.loads(map_values(Ctx(g, s))["value_map"])
+            for n, g in (("small", small), ("big", big)) for s in ("auto", "outputs", "operations")}
+    assert maps["small", "auto"] == maps["small", "operations"] and maps["small", "auto"]["bytes"] == 128
+    assert [(v["name"], v["blocks"]) for v in maps["small", "auto"]["values"]] == [("op", [[0, 1024, 0, 4, 0, 8, 0, 0, 1, 0]])]
+    assert maps["small", "outputs"] == {"values": [], "bytes": 128}
+    assert len(maps["big", "operations"]["values"]) == 1 and maps["big", "auto"]["values"] == []
+    assert maps["big", "auto"]["bytes"] == maps["big", "outputs"]["bytes"] == AUTO_LIMIT_BYTES + 4
+    assert mode("auto", maps["big", "auto"])[0] == "outputs" and mode("operations", maps["big", "operations"])[0] == "operations"
 
 
 # the built-in tolerances against the real kernels ---------------------------------------------------
