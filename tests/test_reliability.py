@@ -136,10 +136,13 @@ def _blob_rows(tree: Path) -> dict[str, str | None]:
 
 
 def _produced(tree: Path) -> set[str]:
-    """The digests of blobs some phase produced (those with a provenance record)."""
+    """The digests of blobs some phase produced (those with a provenance record), but not those
+    it only passed through (read_machine's output is its input file's bytes: a source, which
+    provenance cannot rebuild)."""
     store = Store(tree / ".ipubuild" / "cache")
     try:
-        return {k[len("prov:"):] for k in store.meta.iterkeys() if k.startswith("prov:")}
+        digests = [k[len("prov:"):] for k in store.meta.iterkeys() if k.startswith("prov:")]
+        return {d for d in digests if any(d not in r.get("inputs", {}).values() for r in store.get_provenance(d))}
     finally:
         store.close()
 
