@@ -17,7 +17,7 @@ from .operators import registry
 from .pipeline import Step
 
 # importing registers the phases (the kernels package, imported above, registers compile_kernels)
-from . import device, frontend, kernel_profile, package, reference, report, search  # noqa: F401
+from . import compare, device, frontend, kernel_profile, package, reference, report, search  # noqa: F401
 from .planning import phases  # noqa: F401
 
 
@@ -118,17 +118,22 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
              {"package": a("package")}, files={"package": out / f"{t}.ipuexe"}),
         step("evaluate_reference", "evaluate_reference", {"graph": a("graph"), "params": a("params")},
              {"reference": a("reference")}),
-        step("run_device", "run_device", {"package": a("package"), "params": a("params"), "graph": a("graph")},
-             {"device_run": a("device_run"), "profile": a("profile"), "trace": a("device_trace")},
+        step("map_values", "map_values", {"graph": a("graph"), "program": a("program"), "storage": a("storage")},
+             {"value_map": a("value_map")}, doc="where each operation's output lies, for the per-operation check"),
+        step("run_device", "run_device", {"package": a("package"), "params": a("params"), "graph": a("graph"),
+                                          "value_map": a("value_map")},
+             {"device_run": a("device_run"), "values": a("device_values"), "profile": a("profile"),
+              "trace": a("device_trace")},
              files={"profile": out / f"{t}.profile.json", "trace": out / f"{t}.device.trace.json"}),
         step("measure_kernels", "measure_kernels",
              {"package": a("package"), "params": a("params"), "graph": a("graph"),
               "counted_objects": a("kernel_counted_objects")},
              {"kernel_profile": a("kernel_profile")}, files={"kernel_profile": out / f"{t}.kernels.json"},
              doc="count the basic blocks each kernel variant executes on the build's inputs"),
-        step("check_numerics", "check_numerics", {"device_run": a("device_run"), "reference": a("reference"),
-                                                  "float_reference": a("float_reference"),
-                                                  "profile": a("profile"), "cost": a("cost")},
+        step("check_numerics", "check_numerics", {"device_run": a("device_run"), "values": a("device_values"),
+                                                  "value_map": a("value_map"), "reference": a("reference"),
+                                                  "float_reference": a("float_reference"), "graph": a("graph"),
+                                                  "params": a("params"), "profile": a("profile"), "cost": a("cost")},
              {"verdict": a("verdict")}, files={"verdict": out / f"{t}.verdict.json"}),
         step("report_profile", "report_profile",
              {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),

@@ -34,8 +34,9 @@ def ipubuild_operators():
     a plan: blocks read and written and the kernel vertex each tile runs) and ``kernels`` (the
     C sources with their variants and cycle estimators). Optionally: ``follows`` /
     ``follow_plans`` / ``follow`` (taking a producer's blocks, so an input needs no exchange),
-    ``fuses_cast`` (writing FP8 directly, a cast folded into its kernel) and ``macs`` (for the
-    program-independent bound). All results are collected.
+    ``fuses_cast`` (writing FP8 directly, a cast folded into its kernel), ``macs`` (for the
+    program-independent bound) and ``tolerance`` (how far the device's result may be from the
+    reference's, for the per-operation comparison). All results are collected.
     """
 
 
@@ -92,10 +93,20 @@ def ipubuild_device_backends():
     Return ``{name: factory}``; ``factory()`` gives an object with ``run(package: bytes,
     inputs: dict[str, numpy array], workdir: Path) -> ipubuild.device.DeviceRun``: the outputs by
     name, a profile (JSON-able; ipubuild reads ``ok`` — every vertex succeeded —, ``tiles``,
-    ``samples`` and ``total_cycles``) and Chrome trace events. The backend should read the
-    package with ``ipubuild.package.Package`` and own its device with
-    ``ipubuild.device.device_ownership``. The target's ``[target] device`` names the one used.
-    All results are merged; a name declared twice is an error.
+    ``samples`` and ``total_cycles``, and, if there, ``failures`` — up to 16 dicts, each with
+    ``kind`` ``"vertex"`` (``step``, ``name``, ``tile``, ``vertex``, ``kernel``, ``code``,
+    ``reason``) or ``"exchange"`` (``step``, ``name``, ``reason``) — and ``failure_count``) and
+    Chrome trace events. The backend should read the package with ``ipubuild.package.Package``
+    and own its device with ``ipubuild.device.device_ownership``. The target's ``[target]
+    device`` names the one used. All results are merged; a name declared twice is an error.
+
+    A backend that can read back operations' outputs (for the per-operation comparison,
+    ``[numerics] compare``) takes a keyword argument ``probes``: ``{step: [{"name", "dtype",
+    "shape", "blocks": [[tile, address, r0, r1, c0, c1], ...]}]}`` — after the compute phase
+    of ``step``, the value ``name`` (seen as a matrix of ``shape[:-1]`` product rows) has its
+    block ``[r0:r1, c0:c1]`` stored row-major at ``address`` on ``tile`` — and returns the
+    values read in ``DeviceRun.values`` by name. Without that argument, only graph outputs are
+    compared.
     """
 
 

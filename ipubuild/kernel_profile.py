@@ -34,23 +34,29 @@ from .errors import UserError
 from .kernels import COUNT_FLAGS, counting
 
 
-def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path) -> dict:
-    """The package's kernels ``plain`` with each one's counted object (if it has one) in their
-    place: ``fn(mem, args)`` returns ``(result, blocks or None)``."""
+def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path, tile_bytes: int, map_at: int) -> dict:
+    """The package's kernels ``plain`` (``{variant: (vertex function, reason function)}``, as the
+    simulator loads them) with each one's counted object (if it has one) in their place, told the
+    tile's size and where its data map lies as the simulator tells a checked build:
+    ``fn(mem, args)`` returns ``(result, blocks or None)``."""
     out = {}
-    for name, fn in plain.items():
+    for name, (fn, why) in plain.items():
         if name not in counted:
-            out[name] = _uncounted(fn)
+            out[name] = (_uncounted(fn), why)
             continue
         path = Path(workdir) / f"counted-{name}.so"
         path.write_bytes(counted[name])
         try:
-            fn = ctypes.CDLL(str(path)).ipu_counted_vertex
+            lib = ctypes.CDLL(str(path))
+            fn = lib.ipu_counted_vertex
         except (OSError, AttributeError) as exc:
             raise UserError(f"kernel {name}", f"cannot load its counted object: {exc}") from None
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
-        out[name] = _counting(fn)
+        if hasattr(lib, "ipu_tile_bytes"):
+            ctypes.c_uint32.in_dll(lib, "ipu_tile_bytes").value = tile_bytes
+            ctypes.c_uint32.in_dll(lib, "ipu_tile_map").value = map_at
+        out[name] = (_counting(fn), why)
     return out
 
 
@@ -74,16 +80,16 @@ def _executed(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes] | None
     from .builtin.simulator import Simulator, _input_bytes, _Plan, _row, run_exchange
 
     class Host(Simulator):
-        def _load_kernels(self, pkg, workdir):
-            plain = super()._load_kernels(pkg, workdir)
-            return plain if counted is None else _counted_kernels(plain, counted, workdir)
+        def _load_kernels(self, pkg, workdir, tile_bytes, map_at):
+            plain = super()._load_kernels(pkg, workdir, tile_bytes, map_at)
+            return plain if counted is None else _counted_kernels(plain, counted, workdir, tile_bytes, map_at)
 
     m = pkg.manifest
     machine = m["machine"]
-    memory, row_of, programs, tables = Host()._load(pkg, machine, workdir)
+    memory, row_of, programs, tables, data = Host()._load(pkg, machine, workdir)
     paired = canonical.loads(pkg.member("host/program.json"))["paired"]
     n_steps = m["host"]["run"]["phases"]
-    plan = _Plan(memory, programs, tables, machine, n_steps, paired, 1)
+    plan = _Plan(memory, programs, tables, machine, n_steps, paired, 1, data=data)
     for b in m["inputs"]:
         raw = _input_bytes(b, inputs)
         for off, size, tile, addr in b["ranges"]:
@@ -91,8 +97,7 @@ def _executed(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes] | None
     for s in range(n_steps):
         run_exchange(memory, row_of, plan.entries[s])
         # one lane: every call of the step in tile order, then program order, as in ``programs``
-        args = [a for prog in programs.values() for _, _, a in prog.get(s, ())]
-        for (fn, mem, address, _, _, kname), a in zip(plan.lanes[s][0], args):
+        for fn, mem, address, _, _, kname, _, _, a in plan.lanes[s][0]:
             yield kname, a, lambda fn=fn, mem=mem, address=address: fn(mem, address)
 
 

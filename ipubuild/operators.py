@@ -29,6 +29,15 @@ from .errors import UserError
 
 Block = tuple  # (value key, r0, r1, c0, c1); a value key is "v<id>" or "t<op>.<n>" (a temporary)
 
+F32_ROUNDOFF = 2.0 ** -24      # the unit roundoff of f32: a rounding's relative error is at most this
+
+
+def gamma(n: int) -> float:
+    """The bound on the relative error of ``n`` f32 roundings in a row (``n·u / (1 - n·u)``):
+    a sum of ``n`` products in any order is within ``gamma(n)`` times the sum of their
+    magnitudes of the exact one."""
+    return n * F32_ROUNDOFF / (1 - n * F32_ROUNDOFF)
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelVariant:
@@ -123,6 +132,22 @@ class Operator:
         ``to`` (the dtype) and ``scale_exp`` on it, and ``infer``, ``reference`` and ``lower``
         honour them, bit-exact with the operation followed by a cast."""
         return False
+
+    def tolerance(self, graph, op, inputs: list, outputs: list) -> list:
+        """How far the device's outputs may be from ``outputs`` — the reference's on the same
+        ``inputs``, before any folded cast (``op`` comes without ``to``/``scale_exp``) —, one
+        absolute bound per output element (an array broadcastable to it, or a number). The
+        per-operation comparison (``ipubuild.compare``) fails an element beyond it; an FP8
+        output must be a code that a value within it encodes to.
+
+        Derive it from the kernel's arithmetic: accumulation order over the reduction length
+        (``f32_roundoff``, ``gamma``), library functions' last bits; 0 where the kernel must be
+        bit-exact with the reference. The default assumes a reduction along the last axis and
+        no cancellation: each element within ``(2·cols + 8)`` f32 roundoffs of its magnitude.
+        Override it for a sharper check, or where results cancel."""
+        import numpy as np
+        return [(2 * graph.values[v].cols + 8) * F32_ROUNDOFF * np.abs(np.asarray(o, np.float64))
+                for v, o in zip(op.outputs, outputs)]
 
     def macs(self, graph, op) -> int:
         """Multiply-accumulates of the operation (0 for one that is not a product): with its

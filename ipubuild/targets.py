@@ -307,11 +307,17 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
         }),
     },
     "numerics": {
+        # the graph outputs' gates, for deep models: clean ViT-B/16 builds measured at worst 0.99814
+        # and 0.275 over five seeds (FP8 rounding carried through 12 blocks; benchmarks/README.md)
         "min_cosine": Field(float, 0.99, min=0, max=1, min_exclusive=True,
-                            doc="Lowest cosine similarity to the reference accepted."),
-        "max_abs_error": Field(float, 0.25, min=0, min_exclusive=True,
-                               doc="Largest absolute error to the reference accepted."),
+                            doc="Lowest cosine similarity of a graph output's row to the reference accepted."),
+        "max_abs_error": Field(float, 0.5, min=0, min_exclusive=True,
+                               doc="Largest absolute error of a graph output to the reference accepted."),
         "blas_threads": Field(int, 1, min=1, max=256, doc="Threads for the reference BLAS."),
+        "compare": Field(str, "auto", choices=["auto", "operations", "outputs"],
+                         doc="Also compare every operation's output, read back from the device, with its "
+                             "reference on the device's inputs ('operations'), or the graph's outputs only; "
+                             "'auto': operations unless their values take more than 16 MiB."),
     },
     "profile": {
         "kernel_counts": Field(str, "auto", choices=["auto", "on", "off"],

@@ -322,13 +322,9 @@ class Finish:
         if ws is not None and ws.store.remote is not None:   # what the shared cache did
             console.say(ws.store.remote.summary() + "\n")
         failure = None
-        if not verdict["pass"]:
-            th = verdict["thresholds"]
-            failure = TaskFailed(f"{entry['path']}: numerics: numerical test failed (min cosine "
-                                 f"{verdict['min_cosine']} vs {th['min_cosine']}, max abs error "
-                                 f"{verdict['max_abs_error']} vs {th['max_abs_error']})")
-        elif not verdict["device_ok"]:
-            failure = TaskFailed(f"device {entry['device']}: a vertex reported an error")
+        if not verdict["pass"] or not verdict["device_ok"]:
+            from .verdict import failure_line
+            failure = TaskFailed(failure_line(verdict, entry["path"], entry["device"]))
         self.outcome = (failure,)
         return failure
 

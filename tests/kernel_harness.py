@@ -54,6 +54,20 @@ class Kernel:
         a = np.ascontiguousarray(np.asarray(args, dtype=np.int64).astype(np.uint32))
         return int(self._fn(tile.mem.ctypes.data, a.ctypes.data))
 
+    # the checked build (-DIPU_CHECKED=1) -----------------------------------------------------
+    def set_tile(self, tile_bytes: int, map_address: int = 0) -> None:
+        """What a device tells a checked build when it loads it: the tile memory's size and the
+        address of the tile's data map (0: none)."""
+        ctypes.c_uint32.in_dll(self._lib, "ipu_tile_bytes").value = tile_bytes
+        ctypes.c_uint32.in_dll(self._lib, "ipu_tile_map").value = map_address
+
+    def reason(self) -> str | None:
+        """Why the last failing call on this thread failed (a checked build), once."""
+        fn = self._lib.ipu_trap_reason
+        fn.restype = ctypes.c_char_p
+        out = fn()
+        return out.decode() if out else None
+
 
 class KernelCache:
     """Compiles each (kernel, defines) variant once."""

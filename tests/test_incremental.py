@@ -121,9 +121,12 @@ def no_compile(run):
     assert "compiled kernel variant" not in run.output, run.tail()
 
 
+PROBE = "int ipubuild_incremental_probe(int x) { return 3 * x + 1; }\n\n"
+
 CHANGES = [
-    Change("kernel code edit", _edit("ipubuild/kernels/gelu.c", "0.044715f * v", "0.0447f * v"), ran_no_planning),
-    Change("kernel edit, mtime restored", _edit("ipubuild/kernels/gelu.c", "0.044715f * v", "0.0447f * v",
+    # code edits that keep the kernel's numbers (a changed coefficient would fail the numerical test)
+    Change("kernel code edit", _edit("ipubuild/kernels/gelu.c", "IPU_VERTEX\n{", PROBE + "IPU_VERTEX\n{"), ran_no_planning),
+    Change("kernel edit, mtime restored", _edit("ipubuild/kernels/gelu.c", "IPU_VERTEX\n{", PROBE + "IPU_VERTEX\n{",
                                                 keep_mtime=True)),
     Change("kernel comment edit", _append("ipubuild/kernels/matmul.c", "/* a comment */\n"),
            ran_only("compile_kernels:", "build:")),

@@ -492,3 +492,102 @@ def test_single_export_and_reproducible(kernels, tmp_path):
             out = subprocess.run([nm, "-D", "--defined-only", str(p)], capture_output=True, text=True).stdout
             syms = [ln.split()[-1] for ln in out.splitlines() if ln.split() and ln.split()[-2] in "TtDdBb"]
             assert syms == ["ipu_vertex"], syms
+
+
+# ---------------------------------------------------------------- the checked build
+
+CHECKED = {"IPU_CHECKED": 1}
+
+
+def _checked(kernels, name, **defines):
+    k = kernels.get(name, **defines, **CHECKED)
+    k.set_tile(kh.TILE_BYTES)
+    return k
+
+
+def _valid_calls(tile):
+    """One valid call of each kernel (name, defines, args), its buffers in ``tile``."""
+    r = rng(7)
+    x = tile.put(r.standard_normal(64).astype(np.float32))
+    y = tile.alloc(256)
+    g = tile.put(np.ones(16, np.float32))
+    q = tile.put(fp8.encode(r.standard_normal(64).astype(np.float32), "f143"))
+    return [
+        ("add", {}, [x, x, y, 4, 16, 4]),
+        ("cast", {"SRC_TYPE": F32, "DST_TYPE": F143}, [x, y, 64, 0]),
+        ("cast", {"SRC_TYPE": F32, "DST_TYPE": F143, "ROWS": 1}, [x, y, 4, 8, 0, 64, 8]),
+        ("copy", {}, [x, y, 4, 32, 64, 32]),
+        ("gelu", {}, [x, y, 64]),
+        ("gelu", {"FP8_OUT": 1}, [x, y, 64, F143, 0]),
+        ("layernorm", {}, [x, g, g, y, 4, 16, kh.f32_bits(1e-5)]),
+        ("layernorm", {"FP8_OUT": 1}, [x, g, g, y, 4, 16, kh.f32_bits(1e-5), F143, 0]),
+        ("matmul", {"A_TYPE": F143, "B_TYPE": F143}, [q, q, y, 4, 8, 8, 0, 0, 0, g]),
+        ("matmul", {"A_TYPE": F143, "B_TYPE": F143, "FP8_OUT": 1}, [q, q, y, 4, 8, 8, 0, 0, 0, g, F143, 0]),
+        ("reduce", {}, [y, 16, 2, x, x + 64]),
+        ("softmax", {}, [x, y, 4, 16, kh.f32_bits(1.0)]),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_checked_kernels_compute_what_the_unchecked_ones_do(kernels, case):
+    memories = []
+    for build in ({}, CHECKED):
+        tile = kh.TileMemory()
+        name, defines, args = _valid_calls(tile)[case]
+        k = kernels.get(name, **defines, **build)
+        if build:
+            k.set_tile(kh.TILE_BYTES)
+        assert k(tile, args) == 0
+        memories.append(tile.mem)
+    np.testing.assert_array_equal(*memories)
+
+
+@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("where", ["past the tile", "outside the data map", "no tile size"])
+def test_checked_kernels_refuse_a_buffer_outside_data_memory_and_touch_nothing(kernels, case, where):
+    tile = kh.TileMemory()
+    name, defines, args = _valid_calls(tile)[case]
+    k = kernels.get(name, **defines, **CHECKED)
+    # a data map that holds everything but the first buffer: [its end, end of memory)
+    at = 0x100
+    tile.write(at, np.array([1, args[0] + 4096, kh.TILE_BYTES], np.uint32))
+    if where == "past the tile":
+        args = [kh.TILE_BYTES - 2, *args[1:]]
+        k.set_tile(kh.TILE_BYTES)
+    elif where == "outside the data map":
+        k.set_tile(kh.TILE_BYTES, at)
+    else:
+        k.set_tile(0)
+    before = tile.mem.copy()
+    assert k(tile, args) == 3
+    assert k.reason().endswith("lies outside the tile's data memory")
+    assert k.reason() is None            # said once
+    np.testing.assert_array_equal(tile.mem, before)
+
+
+@pytest.mark.parametrize("name,defines,args,code,reason", [
+    ("add", {}, [0x4C002, 0x4C100, 0x4C200, 1, 4, 1], 4, "a[rows*cols] is not aligned to its element size"),
+    ("matmul", {"A_TYPE": F16, "B_TYPE": F16}, [0x4C001, 0x4C100, 0x4C200, 1, 4, 1, 0, 0, 0, 0], 4,
+     "a[m*k] is not aligned to its element size"),
+    ("cast", {"SRC_TYPE": F32, "DST_TYPE": F143, "ROWS": 1}, [0x4C000, 0x4C200, 2, 4, 0, 18, 4], 4,
+     "a row stride is not a whole number of elements"),
+    ("add", {}, [0x4C000, 0x4C100, 0x4C200, 4, 4, 3], 1, "b_rows is neither 1 nor rows"),
+    ("layernorm", {}, [0x4C000, 0x4C100, 0x4C200, 0x4C300, 1, 0, 0], 1, "cols is 0"),
+    ("reduce", {}, [0x4C000, 4, 0], 1, "count is 0"),
+    ("matmul", {"A_TYPE": F32, "B_TYPE": F32}, [0x4C000, 0x4C100, 0x4C200, 1, 1, 1, 4, 0, 0, 0], 1,
+     "unknown flag bits"),
+])
+def test_checked_kernels_say_why_they_refuse_their_arguments(kernels, name, defines, args, code, reason):
+    k = _checked(kernels, name, **defines)
+    assert k(kh.TileMemory(), args) == code
+    assert k.reason() == reason
+
+
+def test_checked_build_exports_its_device_interface(kernels):
+    nm = shutil.which("nm")
+    if not nm:
+        pytest.skip("no nm")
+    p = kernels.get("softmax", **CHECKED).path
+    out = subprocess.run([nm, "-D", "--defined-only", str(p)], capture_output=True, text=True).stdout
+    syms = sorted(ln.split()[-1] for ln in out.splitlines() if ln.split() and ln.split()[-2] in "TtDdBb")
+    assert syms == ["ipu_tile_bytes", "ipu_tile_map", "ipu_trap_reason", "ipu_vertex"], syms

@@ -132,3 +132,80 @@ def test_bad_thread_count_is_a_one_line_error(objects, tmp_path, monkeypatch, va
     with pytest.raises(UserError, match="IPUBUILD_SIMULATOR_THREADS: .* is not a positive whole number") as info:
         Simulator().run(pkg, {}, tmp_path)
     assert "\n" not in str(info.value)
+
+
+# the checked build: preconditions, traps, exchanges outside data memory, read-back ---------------
+@pytest.fixture(scope="module")
+def checked(objects):
+    """The kernels as ipubuild compiles them: the checked build."""
+    cc, cflags = compiler()
+    header = (KERNEL_DIR / "ipu_kernel.h").read_bytes()
+    return {name: compile_kernel(name, src, (KERNEL_DIR / src).read_bytes(), {"ipu_kernel.h": header},
+                                 [*defines, ("IPU_CHECKED", 1)], cc, cflags, src)[0]
+            for name, (src, defines) in KERNELS.items()}
+
+
+def test_a_checked_package_runs_as_the_unchecked_one(checked, objects, tmp_path, monkeypatch):
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path))
+    programs = {0: [[0, [["add_f32", [DATA, DATA, DATA + 64, 2, 4, 1]]]],
+                    [1, [["copy", [DATA + 64, DATA + 128, 2, 16, 16, 16]]]]]}
+    data = {0: {f"x@{DATA}": np.arange(8, dtype=np.float32)}}
+    outputs = [out("y", 8, 0, DATA + 128)]
+    runs = [Simulator().run(package(objs, programs, [], outputs, data), {}, tmp_path) for objs in (checked, objects)]
+    assert all(r.profile["ok"] and r.profile["failures"] == [] for r in runs)
+    np.testing.assert_array_equal(runs[0].outputs["y"], runs[1].outputs["y"])
+
+
+def test_a_vertex_refusing_a_buffer_outside_data_memory_names_tile_vertex_and_kernel(checked, tmp_path, monkeypatch):
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path))
+    # tile 1's second vertex writes its sum over the tile's code (its kernels' reserved space)
+    programs = {1: [[0, [["copy", [DATA, DATA + 64, 1, 16, 16, 16]], ["add_f32", [DATA, DATA, CODE, 1, 4, 1]]]]]}
+    pkg = package(checked, programs, [], [out("x", 4, 1, DATA)], {1: {f"x@{DATA}": np.ones(4, np.float32)}})
+    run = Simulator().run(pkg, {}, tmp_path)
+    assert not run.profile["ok"] and run.profile["failure_count"] == 1
+    f, = run.profile["failures"]
+    assert {k: f[k] for k in ("kind", "step", "tile", "vertex", "kernel", "code")} == \
+        {"kind": "vertex", "step": 0, "tile": 1, "vertex": 1, "kernel": "add_f32", "code": 3}
+    assert f["reason"] == "c[rows*cols] lies outside the tile's data memory", f
+    assert f["args"] == [DATA, DATA, CODE, 1, 4, 1]
+
+
+@pytest.mark.parametrize("args,code,reason", [
+    ([DATA + 2, DATA + 2, DATA + 2, 1, 4, 1], 4, "a[rows*cols] is not aligned to its element size"),
+    ([MEM["sram_end"] - 8, DATA, DATA, 1, 4, 1], 3, "a[rows*cols] lies outside the tile's data memory"),
+    ([DATA, DATA, DATA, 2, 4, 3], 1, "b_rows is neither 1 nor rows"),
+])
+def test_checked_vertices_say_why_they_fail(checked, tmp_path, monkeypatch, args, code, reason):
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path))
+    pkg = package(checked, {0: [[0, [["add_f32", args]]]]}, [], [out("x", 4, 0, DATA)],
+                  {0: {f"x@{DATA}": np.ones(16, np.float32)}})
+    f, = Simulator().run(pkg, {}, tmp_path).profile["failures"]
+    assert (f["code"], f["reason"]) == (code, reason)
+
+
+def test_an_exchange_outside_data_memory_is_a_device_failure(checked, tmp_path, monkeypatch):
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path))
+    # step 0: tile 2 sends 16 bytes into tile 0's code (its kernels' reserved space)
+    programs = {0: [[0, [["add_f32", [DATA, DATA, DATA, 1, 4, 1]]]]], 2: [[0, []]]}
+    entries = [[0, 2, DATA, 16, 0, CODE + 64, 16, 1, 16]]
+    pkg = package(checked, programs, entries, [out("x", 4, 0, DATA)],
+                  {0: {f"x@{DATA}": np.ones(4, np.float32)}, 2: {f"y@{DATA}": np.ones(4, np.float32)}})
+    run = Simulator().run(pkg, {}, tmp_path)
+    assert not run.profile["ok"]
+    f, = run.profile["failures"]
+    assert {k: f[k] for k in ("kind", "step", "tile", "from", "to")} == \
+        {"kind": "exchange", "step": 0, "tile": 0, "from": 2, "to": 0}
+    assert f["reason"] == (f"the exchange from tile 2 to tile 0 writes [{CODE + 64}, {CODE + 80}) "
+                           "outside tile 0's data memory")
+
+
+def test_probes_read_each_value_after_the_step_that_wrote_it(checked, tmp_path, monkeypatch):
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path))
+    # step 0 doubles x in place; step 1 doubles it again: the probe of step 0 sees 2x, the output 4x
+    programs = {0: [[0, [["add_f32", [DATA, DATA, DATA, 2, 4, 2]]]], [1, [["add_f32", [DATA, DATA, DATA, 2, 4, 2]]]]]}
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    pkg = package(checked, programs, [], [out("x", 8, 0, DATA)], {0: {f"x@{DATA}": x}})
+    probe = {"name": "v1", "dtype": "f32", "shape": [2, 4], "blocks": [[0, DATA, 0, 1, 0, 4], [0, DATA + 16, 1, 2, 0, 4]]}
+    run = Simulator().run(pkg, {}, tmp_path, probes={0: [probe]})
+    np.testing.assert_array_equal(run.values["v1"], 2 * x)
+    np.testing.assert_array_equal(run.outputs["x"], 4 * x.reshape(-1))

@@ -70,7 +70,7 @@ def test_real_target_loads(monkeypatch):
         "fuse": ["attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows"],
         "storage": {"default": "separate", "operators": {}, "sites": {}},
     }
-    assert t["numerics"] == {"min_cosine": 0.99, "max_abs_error": 0.25, "blas_threads": 1}
+    assert t["numerics"] == {"min_cosine": 0.999, "max_abs_error": 0.15, "blas_threads": 1, "compare": "auto"}
     assert t["search"] == {
         "rounds": 3, "shortlist": 3, "workers": 2, "seconds": 120.0, "seed": 0, "proposals": 640,
     }
@@ -245,6 +245,8 @@ MALFORMED = [
      "numerics.max_abs_error", "expected a number greater than 0, got '0.1'", None),
     ("blas-threads-zero", "bad.toml", _good_with("numerics", "blas_threads = 0"),
      "numerics.blas_threads", "expected an integer from 1 to 256, got 0", None),
+    ("compare-bad", "bad.toml", _good_with("numerics", 'compare = "ops"'),
+     "numerics.compare", "expected one of 'auto', 'operations', 'outputs', got 'ops'", None),
     ("scaling-bad", "bad.toml", _good_with("casts", 'scaling = "max"'),
      "casts.scaling", "expected one of 'amax_pow2', 'none', got 'max'", None),
     ("fuse-unknown", "bad.toml", _good_with("casts", 'fuse = ["softmax"]'),

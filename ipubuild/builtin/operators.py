@@ -18,7 +18,8 @@ from ..kernels.layernorm_cycles import layernorm as layernorm_cycles, layernorm_
 from ..kernels.matmul_cycles import matmul as matmul_cycles, matmul_fp8 as matmul_fp8_cycles
 from ..kernels.reduce_cycles import reduce as reduce_cycles, reduce_fp8 as reduce_fp8_cycles
 from ..kernels.softmax_cycles import softmax as softmax_cycles
-from ..operators import KernelVariant, Lowering, Operator, TileWork, f32_bits, key, split
+from ..operators import (F32_ROUNDOFF as U, KernelVariant, Lowering, Operator, TileWork, f32_bits,
+                         gamma, key, split)
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 TYPE_CODE = {"f32": "IPU_F32", "f16": "IPU_F16", "f143": "IPU_F143", "f152": "IPU_F152"}
@@ -62,6 +63,40 @@ def _epilogue(op) -> list:
 
 
 MIN_ROWS = 8  # the default plan gives each tile at least this many rows (finer ones fragment)
+
+
+# tolerances: how far a kernel's f32 result may be from the reference's (Operator.tolerance) ----
+TINY = 2.0 ** -126      # the smallest normal f32: below it roundings are absolute, not relative
+LIBM_ULPS = 4           # a float32 exp or tanh (the C library's, numpy's) is within this many ulps
+
+
+def _exact(op) -> list:
+    """The tolerance of a kernel that must be bit-exact with the reference (copies, casts, adds)."""
+    return [0.0 for _ in op.outputs]
+
+
+def _abs(x):
+    return np.abs(np.asarray(x, np.float64))
+
+
+def _sequential_error(terms) -> np.ndarray:
+    """A bound on the error of an f32 sum of ``terms`` (float64) along the last axis in index
+    order: each addition rounds to within ``u`` of its partial sum (the computed partial sums
+    are within ``gamma(n)`` of the exact ones, hence the last factor)."""
+    n = terms.shape[-1]
+    partial = np.abs(np.cumsum(terms, axis=-1))[..., 1:].sum(axis=-1, keepdims=True)
+    return U * partial * (1 + 2 * gamma(n))
+
+
+def _product_bound(a, av, b, bv, trans_b=False, terms=0):
+    """Twice (device and reference) the bound on each element of ``A·B·2^-(sa+sb)`` summed in
+    any order over ``k`` products (plus ``terms`` more roundings: a bias, a split-K reduction):
+    ``gamma(k)·Σ|a·b|``. ``|A|·|B|`` is taken in f32 (the operands' decoded values are exact
+    there), which is within ``gamma(k)`` of exact: so many more roundings keep it a bound."""
+    pa, pb = np.abs(_decode(a, av)), np.abs(_decode(b, bv))
+    k = pa.shape[-1]
+    mags = (pa @ (pb.T if trans_b else pb)).astype(np.float64) * (1 + 2 * gamma(k))
+    return 2 * gamma(k + terms) * mags * 2.0 ** -(av.scale_exp + bv.scale_exp)
 
 
 def _rows_plans(rows: int, tile_count: int, min_rows: int = MIN_ROWS) -> list[dict]:
@@ -126,6 +161,9 @@ class Cast(ElementwiseOperator):
             return [x.astype(np.float16)]
         return [x.astype(np.float32)]
 
+    def tolerance(self, graph, op, inputs, outputs):
+        return _exact(op)
+
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
         scale = y.scale_exp if y.dtype in FP8 else x.scale_exp if x.dtype in FP8 else 0
@@ -159,6 +197,9 @@ class Add(ElementwiseOperator):
     def reference(self, graph, op, inputs):
         a, b = inputs
         return [(a.reshape(-1, a.shape[-1]) + b.reshape(-1, a.shape[-1])).reshape(a.shape).astype(np.float32)]
+
+    def tolerance(self, graph, op, inputs, outputs):
+        return _exact(op)
 
     def lower(self, graph, op, plan):
         a, b = (graph.values[i] for i in op.inputs)
@@ -196,6 +237,33 @@ class LayerNorm(RowwiseOperator):
         var = ((x - mean) ** 2).mean(axis=-1, keepdims=True, dtype=np.float32)
         return [_encode_out(op, ((x - mean) / np.sqrt(var + np.float32(op.attrs["eps"])) * g + b).astype(np.float32))]
 
+    def tolerance(self, graph, op, inputs, outputs):
+        """Both sides compute the mean and the variance with sums of ``cols`` terms: the kernel
+        in index order (the kernel ABI), so its error is bounded by the roundings of its partial
+        sums (``_sequential_error``), a far tighter bound than ``gamma(cols)`` times the terms'
+        magnitudes when they cancel; the reference's numpy sums are compared with the exact
+        (float64) values. The variance moves with the mean only in second order (the deviations
+        sum to zero); the normalised value moves with the mean, through ``x - mean``, and with
+        the denominator; then ``·gamma + beta`` rounds twice on each side."""
+        xf = np.asarray(inputs[0], np.float32)
+        x, g = xf.astype(np.float64), _abs(inputs[1])
+        n, eps = x.shape[-1], float(np.float32(op.attrs["eps"]))
+        mean = x.mean(axis=-1, keepdims=True)
+        dev = x - mean
+        var = (dev ** 2).mean(axis=-1, keepdims=True)
+        # the reference's mean and variance, as it computes them, against the exact ones
+        ref_mean = xf.mean(axis=-1, keepdims=True, dtype=np.float32)
+        ref_var = ((xf - ref_mean) ** 2).mean(axis=-1, keepdims=True, dtype=np.float32)
+        dm_kernel = _sequential_error(x) / n + U * (np.abs(mean) + _sequential_error(x) / n)
+        dm = np.abs(ref_mean - mean) + dm_kernel
+        dvar = (np.abs(ref_var - var) + dm_kernel ** 2 + 4 * U * var
+                + _sequential_error(dev ** 2) * (1 + 4 * U) / n)
+        denom = np.sqrt(var + eps)
+        drel = 0.5 * dvar / (var + eps) + 4 * U
+        v = dev / denom
+        dv = (dm + 2 * U * np.abs(dev)) / denom + np.abs(v) * (drel + 2 * U)
+        return [g * dv + 2 * U * (np.abs(v) * g + _abs(outputs[0])) + TINY]
+
     def lower(self, graph, op, plan):
         x, g, b = (graph.values[i] for i in op.inputs)
         y = graph.values[op.outputs[0]]
@@ -227,6 +295,13 @@ class Softmax(RowwiseOperator):
         e = np.exp(x - x.max(axis=-1, keepdims=True))
         return [(e / e.sum(axis=-1, keepdims=True)).astype(np.float32)]
 
+    def tolerance(self, graph, op, inputs, outputs):
+        """Relative to each probability: both exponentials' last bits (``LIBM_ULPS`` ulps each,
+        in the element and, through the sum, in every other), both sums over ``cols`` terms in
+        any order, both divisions."""
+        n = graph.values[op.inputs[0]].cols
+        return [(4 * LIBM_ULPS * 2 * U + 2 * gamma(n) + 2 * U) * _abs(outputs[0]) + TINY]
+
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
 
@@ -257,6 +332,15 @@ class Gelu(ElementwiseOperator):
         c = np.float32(0.7978845608)
         return [_encode_out(op, (np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x))))
                             .astype(np.float32))]
+
+    def tolerance(self, graph, op, inputs, outputs):
+        """The argument of tanh is computed the same way on both sides; tanh's last bits differ
+        (``LIBM_ULPS`` ulps each), then ``1 + t`` and the product round once more each."""
+        x = np.asarray(inputs[0], np.float32)
+        c = np.float32(0.7978845608)
+        t = _abs(np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+        half = 0.5 * _abs(x)
+        return [half * (2 * LIBM_ULPS * 2 * U * t + 2 * U * (1 + t)) + 2 * U * _abs(outputs[0]) + TINY]
 
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
@@ -297,6 +381,9 @@ class Patchify(Operator):
         w = wc // c
         img = x.reshape(h // p, p, w // p, p, c)
         return [_encode_out(op, np.ascontiguousarray(img.transpose(0, 2, 1, 3, 4).reshape((h // p) * (w // p), p * p * c)))]
+
+    def tolerance(self, graph, op, inputs, outputs):
+        return _exact(op)
 
     def plans(self, graph, op, tile_count):
         # whole rows of patches (a patch row is ``patch`` image rows), then runs of patches
@@ -366,6 +453,9 @@ class ConcatRows(RowwiseOperator):
         a, b = inputs
         return [np.concatenate([a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])])]
 
+    def tolerance(self, graph, op, inputs, outputs):
+        return _exact(op)
+
     def lower(self, graph, op, plan):
         a, b = (graph.values[i] for i in op.inputs)
         y = graph.values[op.outputs[0]]
@@ -407,6 +497,9 @@ class SliceRows(RowwiseOperator):
     def reference(self, graph, op, inputs):
         x = inputs[0]
         return [_encode_out(op, np.ascontiguousarray(x.reshape(-1, x.shape[-1])[op.attrs["start"]:op.attrs["end"]]))]
+
+    def tolerance(self, graph, op, inputs, outputs):
+        return _exact(op)
 
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
@@ -460,6 +553,15 @@ class MatMul(Operator):
         if len(inputs) == 3:
             out = (out + inputs[2]).astype(np.float32)
         return [_encode_out(op, out)]
+
+    def tolerance(self, graph, op, inputs, outputs):
+        """``K`` products summed in any order (a split-K plan sums partial results, its first
+        with the bias: a few roundings more), then the bias added: see ``_product_bound``."""
+        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        bound = _product_bound(inputs[0], a, inputs[1], b, terms=4)
+        if len(inputs) == 3:
+            bound = bound + 2 * gamma(4) * _abs(inputs[2])
+        return [bound + 2 * U * _abs(outputs[0]) + TINY]
 
     def plans(self, graph, op, tile_count):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
@@ -612,6 +714,13 @@ class AttentionScores(Operator):
                                  trans_b=True) for i in range(h)]
         return [np.stack(out)]
 
+    def tolerance(self, graph, op, inputs, outputs):
+        qkv, s, d, h, dh = self._dims(graph, op)
+        x = inputs[0]
+        bound = np.stack([_product_bound(x[:, i * dh:(i + 1) * dh], qkv, x[:, d + i * dh:d + (i + 1) * dh], qkv,
+                                         trans_b=True, terms=1) for i in range(h)])
+        return [bound + 2 * U * _abs(outputs[0]) + TINY]
+
     def plans(self, graph, op, tile_count):
         qkv, s, d, h, dh = self._dims(graph, op)
         return _head_plans(s, h, tile_count) + self.follow_plans(graph, op)
@@ -674,6 +783,16 @@ class AttentionContext(Operator):
         dh = d // h
         return [_encode_out(op, np.concatenate([_matmul_reference(p[i], pv, x[:, 2 * d + i * dh:2 * d + (i + 1) * dh], qkv)
                                                 for i in range(h)], axis=1))]
+
+    def tolerance(self, graph, op, inputs, outputs):
+        pv, qkv = (graph.values[i] for i in op.inputs)
+        p, x = inputs
+        h = op.attrs["heads"]
+        d = qkv.shape[1] // 3
+        dh = d // h
+        bound = np.concatenate([_product_bound(p[i], pv, x[:, 2 * d + i * dh:2 * d + (i + 1) * dh], qkv, terms=1)
+                                for i in range(h)], axis=1)
+        return [bound + 2 * U * _abs(outputs[0]) + TINY]
 
     def plans(self, graph, op, tile_count):
         s = graph.values[op.inputs[1]].shape[0]

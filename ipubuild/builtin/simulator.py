@@ -10,6 +10,15 @@ The used tiles' memories are the rows of one array, so that an exchange phase is
 and scatters over it (one per row length); each step's vertex calls, their cycles and the
 exchange horizons are worked out once, when the package is loaded, and the vertices of a step
 run on a few threads (tiles share no memory, so the results do not depend on it).
+
+It runs the checked build of the kernels (``ipu_kernel.h``): when it loads a kernel object it
+sets the object's ``ipu_tile_bytes`` and ``ipu_tile_map``, and it writes each tile's data map
+(the address ranges its data may occupy: the machine's memory map without the runtime's and the
+tile's code) into the tile's runtime area, so that a vertex refuses a buffer outside its tile's
+data memory instead of writing over code or another tile. A vertex that fails (a refused
+argument, a trap) and an exchange that reads or writes outside a tile's data memory are device
+failures: the profile lists them (``failures``, naming the step, tile, vertex, kernel and why)
+and ``ok`` is false. Asked to (``probes``), the run reads back the value each step wrote.
 """
 from __future__ import annotations
 
@@ -32,14 +41,22 @@ from ..log import log
 from ..operators import registry
 from ..package import Package
 from ..planning import codegen, exchange
+from ..planning.storage import tile_ranges
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "f143": np.uint8, "f152": np.uint8}
+MAX_FAILURES = 16      # failures the profile lists (it counts them all)
+MAX_MAP_RANGES = 64    # ranges of a tile's data map (ipu_kernel.h reads at most this many)
+# what a vertex's non-zero return code means (ipu_kernel.h), when it does not say itself
+RETURN_CODES = {1: "invalid arguments", 2: "no scratch memory", 3: "a buffer outside the tile's data memory",
+                4: "a misaligned buffer"}
 
 
 class Simulator:
     name = "ipumodel"
 
-    def run(self, package: bytes, inputs: dict, workdir: Path) -> DeviceRun:
+    def run(self, package: bytes, inputs: dict, workdir: Path, probes: dict | None = None) -> DeviceRun:
+        """Run the package; with ``probes`` (``ipubuild_device_backends``), also read back the
+        values each step wrote."""
         lanes = threads()
         with _without_gc():
             log.info("reading application package")
@@ -50,16 +67,17 @@ class Simulator:
             with device_ownership(self.name):
                 log.info("opening IPU device", path='"ipumodel:0"')
                 log.info("IPU device initialized")
-                return self._run(pkg, machine, inputs, workdir, lanes)
+                return self._run(pkg, machine, inputs, workdir, lanes, probes or {})
 
-    def _run(self, pkg, machine, inputs, workdir, lanes):
+    def _run(self, pkg, machine, inputs, workdir, lanes, probes):
         m = pkg.manifest
         t0 = time.perf_counter()
         log.info("loading application", tile_count=m["tiles"])
-        memory, row_of, programs, tables = self._load(pkg, machine, workdir)
+        memory, row_of, programs, tables, data = self._load(pkg, machine, workdir)
         host = m["host"]
         host_program = canonical.loads(pkg.member("host/program.json"))
-        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"], lanes)
+        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"], lanes,
+                     data=data)
         log.info("application loaded and initial synchronization completed", tile_count=m["tiles"],
                  elapsed_ms=int((time.perf_counter() - t0) * 1000))
         log.info("invoking host exchange call", call='"initialize"', phases=host["initialize"]["phases"])
@@ -68,13 +86,23 @@ class Simulator:
             for off, size, tile, addr in b["ranges"]:
                 memory[_row(row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
         log.info("invoking host exchange call", call='"run"', phases=host["run"]["phases"])
-        ok = True
+        failures, values = [], {}
+        names = host_program["steps"]
         with _pool(plan) as pool:
             for s in range(host["run"]["phases"]):
+                for f in plan.exchange_failures.get(s, []):
+                    failures.append({"kind": "exchange", "step": s, "name": names[s], **f})
+                    (log.warning if len(failures) == 1 else log.info)(
+                        "exchange outside data memory", step=s, name=names[s], reason=repr(f["reason"]))
                 run_exchange(memory, row_of, plan.entries[s])
-                for _, tile, kname, rc in plan.execute(s, pool):
-                    ok = False
-                    log.warning("vertex failed", step=s, tile=tile, kernel=kname, code=rc)
+                for f in plan.execute(s, pool):
+                    failures.append({"kind": "vertex", "step": s, "name": names[s], **f})
+                    # the first on the console, the rest in the log (the profile counts them all)
+                    (log.warning if len(failures) == 1 else log.info)(
+                        "vertex failed", step=s, name=names[s], tile=f["tile"], vertex=f["vertex"],
+                        kernel=f["kernel"], code=f["code"], reason=repr(f["reason"]))
+                for probe in probes.get(s, ()):
+                    values[probe["name"]] = read_blocks(memory, row_of, probe)
         sync = machine["exchange"]["sync_cycles"]
         steps, total = [], 0
         for s in range(host["run"]["phases"]):
@@ -89,18 +117,22 @@ class Simulator:
                 raw[off:off + size] = memory[_row(row_of, tile, b["name"]), addr:addr + size]
             outputs[b["name"]] = raw.view(DTYPES[b["dtype"]]).reshape(b["shape"])
         trace = _trace(steps, plan.compute, machine)
-        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(memory), "ok": ok,
+        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(memory), "ok": not failures,
+                   "failures": failures[:MAX_FAILURES], "failure_count": len(failures),
                    "total_cycles": total, "samples": len(trace), "steps": steps}
-        return DeviceRun(outputs, profile, trace)
+        return DeviceRun(outputs, profile, trace, values)
 
     def _load(self, pkg, machine, workdir):
         """Every used tile's memory filled from its image (rows of one array; ``row_of[tile]``,
-        -1 for idle tiles), its decoded program ``{step: [(kernel function, name, args)]}``
-        and its exchange table."""
+        -1 for idle tiles) and its data map, its decoded program ``{step: [(kernel, name,
+        args)]}`` — a kernel being ``(vertex function, reason function or None)`` —, its
+        exchange table, and every tile's data ranges ``{tile: [[lo, hi], ...]}``."""
         m = pkg.manifest
-        kernels = self._load_kernels(pkg, workdir)
         idle = m["idle_image"]
         used = [t for t, digest in enumerate(m["tile_images"]) if digest != idle]
+        data = {tile: data_ranges(machine, pkg.images[m["tile_images"][tile]][0]["segments"]) for tile in used}
+        map_at = map_address(machine, data, {t: pkg.images[m["tile_images"][t]][0]["segments"] for t in used})
+        kernels = self._load_kernels(pkg, workdir, machine["sram_end"], map_at)
         row_of = np.full(m["tiles"], -1, dtype=np.int64)
         row_of[used] = np.arange(len(used))
         memory = _zeroed_memory(len(used), machine["sram_end"])
@@ -108,6 +140,9 @@ class Simulator:
         for row, tile in enumerate(used):
             header, blobs = pkg.images[m["tile_images"][tile]]
             mem = memory[row]
+            if map_at:
+                words = np.array([len(data[tile]), *itertools.chain.from_iterable(data[tile])], dtype="<u4")
+                mem[map_at:map_at + words.nbytes] = words.view(np.uint8)
             names = {}
             for kind, name, addr, size, _ in header["segments"]:
                 if kind == "kernel":
@@ -123,9 +158,11 @@ class Simulator:
                 tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
             except ValueError as exc:
                 raise UserError("package", f"tile {tile}: {exc}: rebuild the package with this ipubuild") from None
-        return memory, row_of, programs, tables
+        return memory, row_of, programs, tables, data
 
-    def _load_kernels(self, pkg, workdir):
+    def _load_kernels(self, pkg, workdir, tile_bytes, map_at):
+        """``{variant: (vertex function, reason function or None)}``; a checked build (one that
+        exports ``ipu_tile_bytes``) is told the tile's size and where its data map lies."""
         out = {}
         declared = registry().kernels
         for name, digest in sorted(pkg.manifest["kernels"].items()):
@@ -135,12 +172,19 @@ class Simulator:
             path = Path(workdir) / f"{digest}.so"
             path.write_bytes(pkg.kernel_object(name))
             try:
-                fn = ctypes.CDLL(str(path)).ipu_vertex
+                lib = ctypes.CDLL(str(path))
+                fn = lib.ipu_vertex
             except (OSError, AttributeError) as exc:
                 raise UserError(f"kernel {name}", f"the device cannot load its object: {exc}") from None
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-            out[name] = fn
+            why = None
+            if hasattr(lib, "ipu_tile_bytes") and hasattr(lib, "ipu_trap_reason"):
+                ctypes.c_uint32.in_dll(lib, "ipu_tile_bytes").value = tile_bytes
+                ctypes.c_uint32.in_dll(lib, "ipu_tile_map").value = map_at
+                why = lib.ipu_trap_reason
+                why.restype, why.argtypes = ctypes.c_char_p, []
+            out[name] = (fn, why)
         return out
 
 
@@ -150,7 +194,7 @@ class _Plan:
     calls (kernel, tile memory, arguments) split by tile into ``lanes`` lists of about equal
     cycles, which may run at the same time (tiles share no memory)."""
 
-    def __init__(self, memory, programs, tables, machine, n_steps, paired, lanes=1):
+    def __init__(self, memory, programs, tables, machine, n_steps, paired, lanes=1, data=None):
         reg = registry()
         by_step = [[] for _ in range(n_steps)]              # tile order, then table order
         for table in tables:
@@ -160,6 +204,9 @@ class _Plan:
                                     "the package is corrupt")
                 by_step[e[0]].append(e[1:])
         self.entries = [unicast(es) for es in by_step]
+        bounds = data_bounds(data, max(data, default=-1) + 1) if data is not None else None
+        self.exchange_failures = {s: f for s, e in enumerate(self.entries)
+                                  if bounds is not None and (f := exchange_outside(e, bounds))}
         self.horizons = [exchange.horizon_of(es, machine, paired[s]) if es else 0 for s, es in enumerate(by_step)]
         base, stride = memory.ctypes.data, memory.strides[0]
         args = [a for prog in programs.values() for verts in prog.values() for _, _, a in verts]
@@ -178,33 +225,44 @@ class _Plan:
                 if not verts:
                     continue
                 cycles, calls = 0, []
-                for fn, kname, a in verts:
+                for index, ((fn, why), kname, a) in enumerate(verts):
                     seq[s] += 1
                     key = (kname, *a)
                     c = estimates.get(key)
                     if c is None:
                         c = estimates[key] = int(reg.kernels[kname].cycles(a, machine))
                     cycles += c
-                    calls.append((fn, mem, addresses[pos], seq[s], tile, kname))
+                    calls.append((fn, mem, addresses[pos], seq[s], tile, kname, index, why, a))
                     pos += 1
                 self.compute[s].append((tile, cycles))
                 lane = load[s].index(min(load[s]))
                 load[s][lane] += cycles
                 self.lanes[s][lane].extend(calls)
 
-    def execute(self, step: int, pool=None) -> list[tuple[int, int, str, int]]:
-        """Run one step's vertices (the lanes after the first on ``pool``, if given); the (place
-        in the step, tile, kernel, return code) of those that failed, in program order."""
+    def execute(self, step: int, pool=None) -> list[dict]:
+        """Run one step's vertices (the lanes after the first on ``pool``, if given); those that
+        failed, in program order: tile, vertex (its place in the tile's step), kernel, return
+        code, why, arguments."""
         first, *rest = self.lanes[step]
         pending = [pool.submit(_call, lane) for lane in rest if lane] if pool else []
         failed = _call(first) + [f for lane in rest if not pool for f in _call(lane)]
         for p in pending:
             failed += p.result()
-        return sorted(failed)
+        return [f for _, f in sorted(failed, key=lambda sf: sf[0])]
 
 
-def _call(calls) -> list[tuple[int, int, str, int]]:
-    return [(seq, tile, kname, rc) for fn, mem, args, seq, tile, kname in calls if (rc := fn(mem, args)) != 0]
+def _call(calls) -> list[tuple[int, dict]]:
+    """Run vertex calls; ``(place in the step, failure)`` of each that returns non-zero (the
+    reason is asked on the thread that ran it: a checked kernel keeps it per thread)."""
+    out = []
+    for fn, mem, args, seq, tile, kname, index, why, a in calls:
+        rc = fn(mem, args)
+        if rc != 0:
+            reason = why() if why is not None else None
+            out.append((seq, {"tile": tile, "vertex": index, "kernel": kname, "code": rc, "args": list(a),
+                              "reason": reason.decode(errors="replace") if reason
+                              else RETURN_CODES.get(rc, f"returned {rc}")}))
+    return out
 
 
 def threads() -> int:
@@ -306,6 +364,91 @@ def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
             moves.append((window, d_units[rows_n], window[s_units[rows_n]]))
     for window, rows_at, data in moves:
         window[rows_at] = data
+
+
+def data_ranges(machine: dict, segments: list) -> list[list[int]]:
+    """Where a tile's data may live: ``[[lo, hi], ...]`` — the machine's memory map for this
+    tile's code (``planning.storage.tile_ranges``: not the runtime's areas, not the code), or,
+    for a machine description without one, tile memory up to the loader limit less the code
+    segments."""
+    code = sorted((addr, addr + size) for kind, _, addr, size, _ in segments if kind != "data")
+    try:
+        base = tile_ranges(machine, 0)["code_address"]
+        if code and code[0][0] < base:
+            raise KeyError("code below the code address")
+        return tile_ranges(machine, max((e for _, e in code), default=base) - base)["available_ranges"]
+    except (KeyError, TypeError, ValueError):
+        out, lo = [], machine["sram_base"]
+        for a, b in code:
+            if a > lo:
+                out.append([lo, a])
+            lo = max(lo, b)
+        return out + ([[lo, machine["loader_limit"]]] if lo < machine["loader_limit"] else [])
+
+
+def map_address(machine: dict, data: dict, segments: dict) -> int:
+    """Where every tile's data map goes: the start of tile memory, if no tile has data or code
+    there; else 0 (no map: kernels then check only the tile's size)."""
+    at = machine["sram_base"]
+    if at == 0 or at % 4:
+        return 0
+    for tile, ranges in data.items():
+        end = at + 4 + 8 * len(ranges)
+        if len(ranges) > MAX_MAP_RANGES or end > machine["sram_end"] \
+                or any(lo < end and at < hi for lo, hi in ranges) \
+                or any(addr < end and at < addr + size for _, _, addr, size, _ in segments[tile]):
+            return 0
+    return at
+
+
+def data_bounds(data: dict, tiles: int) -> tuple[np.ndarray, np.ndarray]:
+    """``data`` (``{tile: [[lo, hi], ...]}``) as two ``[tiles, k]`` arrays of range starts and
+    ends (empty ranges where a tile has fewer, or none)."""
+    k = max((len(r) for r in data.values()), default=0) or 1
+    lo, hi = np.ones((tiles, k), np.int64), np.zeros((tiles, k), np.int64)
+    for tile, ranges in data.items():
+        for i, (a, b) in enumerate(ranges):
+            lo[tile, i], hi[tile, i] = a, b
+    return lo, hi
+
+
+def exchange_outside(entries: np.ndarray, bounds: tuple) -> list[dict]:
+    """The exchange entries (``unicast`` rows) that read or write outside their tiles' data
+    ranges (``data_bounds``): ``{"tile", "from", "to", "reason"}`` for each (at most
+    ``MAX_FAILURES``)."""
+    lo, hi = bounds
+    if not len(entries):
+        return []
+    st, sa, ss, dt, da, ds, rows, rb = entries.T
+    live = (rows > 0) & (rb > 0)
+    out = []
+    for side, tile, addr, stride in (("reads", st, sa, ss), ("writes", dt, da, ds)):
+        end = addr + (rows - 1) * stride + rb
+        known = (tile >= 0) & (tile < len(lo))
+        t = np.where(known, tile, 0)
+        inside = ((lo[t] <= addr[:, None]) & (end[:, None] <= hi[t])).any(axis=1) & known
+        for i in np.flatnonzero(live & ~inside)[:MAX_FAILURES].tolist():
+            out.append({"tile": int(tile[i]), "from": int(st[i]), "to": int(dt[i]),
+                        "reason": f"the exchange from tile {st[i]} to tile {dt[i]} {side} [{addr[i]}, {end[i]}) "
+                                  f"outside tile {tile[i]}'s data memory"})
+    return out[:MAX_FAILURES]
+
+
+def read_blocks(memory: np.ndarray, row_of: np.ndarray, probe: dict) -> np.ndarray:
+    """A value read back from tile memory: ``probe`` = ``{"name", "dtype", "shape", "blocks":
+    [[tile, address, r0, r1, c0, c1], ...]}`` (the value as a matrix, each block stored row-major
+    at ``address``); elements no block covers are zero."""
+    dtype = np.dtype(DTYPES[probe["dtype"]])
+    shape = tuple(probe["shape"])
+    cols = shape[-1] if shape else 1
+    out = np.zeros((int(np.prod(shape[:-1], dtype=np.int64)) if len(shape) > 1 else 1, cols), dtype)
+    for tile, addr, r0, r1, c0, c1 in probe["blocks"]:
+        n = (r1 - r0) * (c1 - c0) * dtype.itemsize
+        row = _row(row_of, tile, probe["name"])
+        if addr < 0 or addr + n > memory.shape[1]:
+            raise UserError("package", f"a probe of {probe['name']} on tile {tile} at {addr} is out of range")
+        out[r0:r1, c0:c1] = memory[row, addr:addr + n].view(dtype).reshape(r1 - r0, c1 - c0)
+    return out.reshape(shape)
 
 
 def _zeroed_memory(tiles: int, size: int) -> np.ndarray:

@@ -3,10 +3,12 @@
 The C ABI is documented in ``README.md`` beside the sources. ``compile_kernels`` runs once per
 target: it compiles the variants the target's graph can use (``Operator.variants``) — the others
 stay declared and compile when a target needs them — each through the ``compile_kernel``
-sub-phase, whose action key is the variant's source, every header it includes, its defines, the
-compiler's flags and the compiler's identity (its version, target triple and the bytes of its
-executables: a changed wrapper script or an upgraded ``cc1`` is a changed compiler). Nothing else:
-no machine description, no path of the checkout. Variants compile concurrently.
+sub-phase, as the *checked build* (``-DIPU_CHECKED=1``: the kernels check their arguments and
+say why they refuse them; see ``ipu_kernel.h``). Its action key is the variant's source, every
+header it includes, its defines (the checked build's among them), the compiler's flags and the
+compiler's identity (its version, target triple and the bytes of its executables: a changed
+wrapper script or an upgraded ``cc1`` is a changed compiler). Nothing else: no machine
+description, no path of the checkout. Variants compile concurrently.
 
 A variant's code space is reserved in whole quanta (``machine.code.reservation_quantum``) with at
 least one byte of slack, so that an edit which keeps the code inside its reservation leaves the
@@ -31,6 +33,8 @@ from ..log import log
 
 KERNEL_DIR = Path(__file__).resolve().parent
 DEFAULT_CFLAGS = "-O2 -std=c11 -Wall -fPIC -shared"
+# every variant is compiled as the checked build (ipu_kernel.h); the define is in its compile key
+CHECKED = ("IPU_CHECKED", 1)
 SOURCE_SUFFIXES = (".c", ".h")
 COUNTER = KERNEL_DIR / "counter" / "block_counter.c"
 COUNTER_NAME = "ipu_block_counter.c"     # its name beside the kernel source in the scratch folder
@@ -262,7 +266,7 @@ def compile_jobs(ctx) -> dict[str, tuple[dict, dict]]:
                             "reinstall the plugin that declares it")
         jobs[name] = ({"source": slots[slot], **{f"header/{h}": slots[h] for h in included(slot, sources)}},
                       {"kernel": {"name": name, "source_name": PurePosixPath(slot).name,
-                                  "defines": [list(d) for d in kv.defines], "where": slot},
+                                  "defines": [list(d) for d in kv.defines] + [list(CHECKED)], "where": slot},
                        "compiler": ctx.config["compiler"]})
     return jobs
 

@@ -13,7 +13,10 @@ IPU_VERTEX
     const uint32_t rows = args[3], cols = args[4], b_rows = args[5];
 
     if (b_rows != 1 && b_rows != rows)
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "b_rows is neither 1 nor rows");
+    IPU_REQUIRE_BUFFER(args[0], 4ull * rows * cols, 4, "a[rows*cols]");
+    IPU_REQUIRE_BUFFER(args[1], 4ull * b_rows * cols, 4, "b[b_rows*cols]");
+    IPU_REQUIRE_BUFFER(args[2], 4ull * rows * cols, 4, "c[rows*cols]");
     for (uint32_t r = 0; r < rows; r++) {
         const uint32_t br = (b_rows == 1) ? 0 : r;
         for (uint32_t j = 0; j < cols; j++) {

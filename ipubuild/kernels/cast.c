@@ -43,6 +43,9 @@ static void convert(const uint8_t *src, uint8_t *dst, uint32_t n, int32_t scale)
     }
 }
 
+#define SRC_SIZE IPU_TYPE_SIZE(SRC_TYPE)
+#define DST_SIZE IPU_TYPE_SIZE(DST_TYPE)
+
 IPU_VERTEX
 {
     const uint8_t *src = mem + args[0];
@@ -50,9 +53,19 @@ IPU_VERTEX
 #ifdef ROWS
     const uint32_t rows = args[2], cols = args[3];
     const int32_t scale = (int32_t)args[4];
+#ifdef IPU_CHECKED
+    if (rows > 1 && (args[5] % SRC_SIZE || args[6] % DST_SIZE))
+        IPU_FAIL(IPU_MISALIGNED, "a row stride is not a whole number of elements");
+#endif
+    IPU_REQUIRE_BUFFER(args[0], rows && cols ? (uint64_t)(rows - 1) * args[5] + (uint64_t)cols * SRC_SIZE : 0,
+                       SRC_SIZE, "src rows");
+    IPU_REQUIRE_BUFFER(args[1], rows && cols ? (uint64_t)(rows - 1) * args[6] + (uint64_t)cols * DST_SIZE : 0,
+                       DST_SIZE, "dst rows");
     for (uint32_t r = 0; r < rows; r++)
         convert(src + r * args[5], dst + r * args[6], cols, scale);
 #else
+    IPU_REQUIRE_BUFFER(args[0], (uint64_t)args[2] * SRC_SIZE, SRC_SIZE, "src[n]");
+    IPU_REQUIRE_BUFFER(args[1], (uint64_t)args[2] * DST_SIZE, DST_SIZE, "dst[n]");
     convert(src, dst, args[2], (int32_t)args[3]);
 #endif
     return 0;

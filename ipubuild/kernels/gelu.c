@@ -18,8 +18,12 @@ IPU_VERTEX
     const int out_type = (int)args[3];
     const int32_t out_scale = (int32_t)args[4];
     if (!IPU_IS_FP8(out_type))
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "out_type is not an FP8 type");
+    IPU_REQUIRE_BUFFER(args[1], n, 1, "y[n]");
+#else
+    IPU_REQUIRE_BUFFER(args[1], 4ull * n, 4, "y[n]");
 #endif
+    IPU_REQUIRE_BUFFER(args[0], 4ull * n, 4, "x[n]");
 
     for (uint32_t i = 0; i < n; i++) {
         float v = ipu_ld_f32(x + 4u * i);

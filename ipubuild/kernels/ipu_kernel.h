@@ -26,10 +26,84 @@
 #define IPU_VALID_TYPE(t) ((t) == IPU_F32 || (t) == IPU_F16 || IPU_IS_FP8(t))
 #define IPU_TYPE_SIZE(t) ((t) == IPU_F32 ? 4u : (t) == IPU_F16 ? 2u : 1u)
 
+#define IPU_EXPORT __attribute__((visibility("default")))
+
 /* The single exported entry point of every kernel. */
-#define IPU_VERTEX __attribute__((visibility("default"))) \
-    int ipu_vertex(uint8_t *mem, const uint32_t *args)
+#define IPU_VERTEX IPU_EXPORT int ipu_vertex(uint8_t *mem, const uint32_t *args)
 IPU_VERTEX;
+
+/* ---- preconditions and the checked build -------------------------------
+ *
+ * A vertex refuses arguments it cannot honour: IPU_FAIL(code, why) returns
+ * code (1: invalid arguments, 2: no scratch memory, 3: a buffer outside the
+ * tile's data memory, 4: a misaligned buffer) before it reads or writes tile
+ * memory. IPU_REQUIRE_BUFFER checks one buffer: only in the checked build.
+ *
+ * The checked build (-DIPU_CHECKED=1; ipubuild compiles every variant so and
+ * the ipumodel simulator runs it) also checks, before touching memory, that
+ * every buffer a vertex reads or writes lies inside the tile's data memory
+ * and is aligned to its element size, and it records why a vertex failed:
+ * ipu_trap_reason() returns that text once (then NULL). The device sets two
+ * globals when it loads the object: ipu_tile_bytes, the size of a tile's
+ * memory, and ipu_tile_map, the address in each tile's memory of its data
+ * map (u32 count, then count [lo, hi) address ranges: where the tile's data
+ * may live; 0: no map, every address below ipu_tile_bytes is data). While
+ * ipu_tile_bytes is 0 every buffer check fails. */
+#define IPU_BAD_ARGS 1
+#define IPU_NO_SCRATCH 2
+#define IPU_OUT_OF_BOUNDS 3
+#define IPU_MISALIGNED 4
+
+#ifdef IPU_CHECKED
+IPU_EXPORT uint32_t ipu_tile_bytes = 0;
+IPU_EXPORT uint32_t ipu_tile_map = 0;
+static _Thread_local const char *ipu_why;
+
+IPU_EXPORT const char *ipu_trap_reason(void)
+{
+    const char *why = ipu_why;
+    ipu_why = 0;
+    return why;
+}
+
+static inline int ipu_fail(int code, const char *why)
+{
+    ipu_why = why;
+    return code;
+}
+
+/* Whether [addr, addr + bytes) lies in one range of the tile's data map. */
+static inline int ipu_in_data(const uint8_t *mem, uint64_t addr, uint64_t bytes)
+{
+    if (bytes > ipu_tile_bytes || addr > ipu_tile_bytes - bytes)
+        return 0;
+    if (ipu_tile_map == 0)
+        return 1;
+    uint32_t n, lo, hi;
+    memcpy(&n, mem + ipu_tile_map, 4);
+    for (uint32_t i = 0; i < n && i < 64u; i++) {
+        memcpy(&lo, mem + ipu_tile_map + 4u + 8u * i, 4);
+        memcpy(&hi, mem + ipu_tile_map + 8u + 8u * i, 4);
+        if (lo <= addr && addr + bytes <= hi)
+            return 1;
+    }
+    return 0;
+}
+
+#define IPU_FAIL(code, why) return ipu_fail((code), (why))
+/* Buffer `what` of `bytes` bytes at tile address `addr` (a u32 argument),
+ * aligned to `align` bytes; an empty buffer is never touched. */
+#define IPU_REQUIRE_BUFFER(addr, bytes, align, what) do { \
+        const uint64_t b_ = (bytes); \
+        if (b_ && !ipu_in_data(mem, (addr), b_)) \
+            IPU_FAIL(IPU_OUT_OF_BOUNDS, what " lies outside the tile's data memory"); \
+        if (b_ && (addr) % (align)) \
+            IPU_FAIL(IPU_MISALIGNED, what " is not aligned to its element size"); \
+    } while (0)
+#else
+#define IPU_FAIL(code, why) return (code)
+#define IPU_REQUIRE_BUFFER(addr, bytes, align, what) ((void)0)
+#endif
 
 /* ---- raw loads / stores (unaligned-safe) ------------------------------- */
 

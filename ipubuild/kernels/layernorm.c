@@ -19,13 +19,19 @@ IPU_VERTEX
     const float eps = ipu_f32_from_bits(args[6]);
 
     if (cols == 0)
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "cols is 0");
 #ifdef FP8_OUT
     const int out_type = (int)args[7];
     const int32_t out_scale = (int32_t)args[8];
     if (!IPU_IS_FP8(out_type))
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "out_type is not an FP8 type");
+    IPU_REQUIRE_BUFFER(args[3], (uint64_t)rows * cols, 1, "y[rows*cols]");
+#else
+    IPU_REQUIRE_BUFFER(args[3], 4ull * rows * cols, 4, "y[rows*cols]");
 #endif
+    IPU_REQUIRE_BUFFER(args[0], 4ull * rows * cols, 4, "x[rows*cols]");
+    IPU_REQUIRE_BUFFER(args[1], 4ull * cols, 4, "gamma[cols]");
+    IPU_REQUIRE_BUFFER(args[2], 4ull * cols, 4, "beta[cols]");
     for (uint32_t r = 0; r < rows; r++) {
         const uint8_t *xr = x + 4u * (r * cols);
 #ifdef FP8_OUT

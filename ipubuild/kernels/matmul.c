@@ -98,19 +98,26 @@ IPU_VERTEX
     const uint8_t *bias = args[9] ? mem + args[9] : 0;
 
     if (flags & ~(MM_TRANS_B | MM_ACCUMULATE))
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "unknown flag bits");
 #ifdef FP8_OUT
     const int out_type = (int)args[10];
     const int32_t out_scale = (int32_t)args[11];
     if ((flags & MM_ACCUMULATE) || !IPU_IS_FP8(out_type))
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "accumulating into FP8, or out_type is not an FP8 type");
+    IPU_REQUIRE_BUFFER(args[2], (uint64_t)m * n, 1, "c[m*n]");
+#else
+    IPU_REQUIRE_BUFFER(args[2], 4ull * m * n, 4, "c[m*n]");
 #endif
+    IPU_REQUIRE_BUFFER(args[0], (uint64_t)m * k * IPU_TYPE_SIZE(A_TYPE), IPU_TYPE_SIZE(A_TYPE), "a[m*k]");
+    IPU_REQUIRE_BUFFER(args[1], (uint64_t)k * n * IPU_TYPE_SIZE(B_TYPE), IPU_TYPE_SIZE(B_TYPE), "b[k*n]");
+    if (bias)
+        IPU_REQUIRE_BUFFER(args[9], 4ull * n, 4, "bias[n]");
     if (m == 0 || n == 0)
         return 0;
     const size_t np = ((size_t)n + MM_NR - 1) / MM_NR * MM_NR;
     float *ad = malloc(sizeof(float) * ((size_t)m + np) * k + 1);
     if (!ad)
-        return 2;
+        IPU_FAIL(IPU_NO_SCRATCH, "cannot allocate its f32 scratch");
     float *bp = ad + (size_t)m * k;
 
     ipu_decoder da, db_table;

@@ -19,13 +19,19 @@ IPU_VERTEX
     const int32_t out_scale = (int32_t)args[4];
     const uint32_t *srcs = args + 5;
     if (!IPU_IS_FP8(out_type))
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "out_type is not an FP8 type");
+    IPU_REQUIRE_BUFFER(args[0], n, 1, "dst[n]");
 #else
     const uint32_t *srcs = args + 3;
+    IPU_REQUIRE_BUFFER(args[0], 4ull * n, 4, "dst[n]");
 #endif
 
     if (count == 0)
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "count is 0");
+#ifdef IPU_CHECKED
+    for (uint32_t s = 0; s < count; s++)
+        IPU_REQUIRE_BUFFER(srcs[s], 4ull * n, 4, "a src[n]");
+#endif
     for (uint32_t i = 0; i < n; i++) {
         float acc = ipu_ld_f32(mem + srcs[0] + 4u * i);
         for (uint32_t s = 1; s < count; s++)

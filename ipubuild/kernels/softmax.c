@@ -14,7 +14,9 @@ IPU_VERTEX
     const float scale = ipu_f32_from_bits(args[4]);
 
     if (cols == 0)
-        return 1;
+        IPU_FAIL(IPU_BAD_ARGS, "cols is 0");
+    IPU_REQUIRE_BUFFER(args[0], 4ull * rows * cols, 4, "x[rows*cols]");
+    IPU_REQUIRE_BUFFER(args[1], 4ull * rows * cols, 4, "y[rows*cols]");
     for (uint32_t r = 0; r < rows; r++) {
         const uint8_t *xr = x + 4u * (r * cols);
         uint8_t *yr = y + 4u * (r * cols);

@@ -288,7 +288,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
         for stage_index, stage in enumerate(lowering.stages):
             s = len(steps)
             step = {"name": f"{op.name}#{stage_index}" if len(lowering.stages) > 1 else op.name,
-                    "op": op.id, "transfers": [], "vertices": {}}
+                    "op": op.id, "transfers": [], "vertices": {}, "writes": []}
             gathered: dict[tuple, str] = {}
             for work in stage:
                 if not 0 <= work.tile < tile_count:
@@ -333,8 +333,11 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                     stored[vk].add(tile, bid, (r0, r1, c0, c1))
                     write_bufs.append(bid)
                 verts = step["vertices"].setdefault(str(tile), [])
+                first = len(verts)
                 for kernel, args in work.vertices:
                     verts.append([kernel, [_arg(a, read_bufs, write_bufs) for a in args]])
+                # which buffer holds each block written, and the vertices that wrote it (for read-back)
+                step["writes"].extend([tile, bid, *blk, first, len(verts)] for bid, blk in zip(write_bufs, work.writes))
             steps.append(step)
 
     end = len(steps)
