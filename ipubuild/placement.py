@@ -27,12 +27,21 @@ LOOKAHEAD = 2
 REPLICATION_SHARE = 0.75
 
 
-def initial_layout(sc, found=None) -> dict:
-    """The greedy layout of ``sc.graph`` (a ``search.SearchContext``): within the caps if
-    placing without an allowance is, else placed with the allowance (best effort: the exact
-    evaluation says what still does not fit)."""
+def initial_layouts(sc):
+    """The greedy layouts of ``sc.graph`` (a ``search.SearchContext``) to start from, best
+    first: placed without an allowance, if that keeps within the caps; then placed with the
+    allowance (best effort). The caps model constants and code, not the activations live on a
+    tile, so the exact evaluation may still find a layout that does not fit memory: the search
+    then takes the next."""
     layout = _Greedy(sc, allowance=False).layout()
-    return layout if layout is not None else _Greedy(sc, allowance=True).layout(best_effort=True)
+    if layout is not None:
+        yield layout
+    yield _Greedy(sc, allowance=True).layout(best_effort=True)
+
+
+def initial_layout(sc, found=None) -> dict:
+    """The first of ``initial_layouts``."""
+    return next(initial_layouts(sc))
 
 
 def spread(items: list, n: int) -> list:

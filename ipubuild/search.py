@@ -27,7 +27,7 @@ from .errors import UserError
 from .files import write_atomic
 from .log import log, phase_finished, span
 from .estimator import Baseline, Estimator
-from .placement import initial_layout
+from .placement import initial_layouts
 from .planning.phases import OPS   # and registers the phases a candidate's evaluation runs
 from .planning.program import plans_of
 
@@ -265,8 +265,11 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
         if resuming:
             incumbent = state["incumbent"]
         else:
-            incumbent = initial_layout(sc, found)
-            result = evaluate(ctx.engine, base, incumbent, ctx.config)
+            for incumbent in initial_layouts(sc):
+                result = evaluate(ctx.engine, base, incumbent, ctx.config)
+                if "invalid" not in result:
+                    break
+                log.info("initial layout does not build; trying the next", reason=repr(result["invalid"]))
         if "invalid" in result:
             raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
         cycles = result["cycles"]

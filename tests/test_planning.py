@@ -491,7 +491,8 @@ def test_peak_bound_is_the_graphs_work_at_peak_rate(vit_graph, vit_program):
 
 
 def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
-    from ipubuild.search import SearchContext, heuristics, initial_layout
+    from ipubuild.placement import initial_layout
+    from ipubuild.search import SearchContext, heuristics
     layout = initial_layout(SearchContext(vit_graph, 64, MACHINE), heuristics())
     program = build_program(vit_graph, layout, 64)
     none = {k: 0 for k in registry().kernels}

@@ -14,7 +14,8 @@ from ipubuild.frontend import build_model
 from ipubuild.machine import load_machine
 from ipubuild.pipeline import Workspace
 from ipubuild.plugins import get_plugin_manager
-from ipubuild.search import SearchContext, heuristics, initial_layout, read_state, screen
+from ipubuild.placement import initial_layout
+from ipubuild.search import SearchContext, heuristics, read_state, screen
 from ipubuild.targets import load_target
 
 from buildtree import SMALL, make_tree
