@@ -61,7 +61,6 @@ class Estimator:
         self._isz.update({f"v{v}": val.itemsize for v, val in graph.values.items()})
         self._terms, self._writes, self._work, self._footprints = {}, {}, {}, {}
         self.kernel_index: dict[str, int] = {}           # kernel name -> row of Loads.kernels
-        self.computed = 0                                  # terms computed (not found cached)
 
     def resolve(self, layout: dict) -> dict:
         return self.resolver.resolve(layout)
@@ -161,12 +160,15 @@ class Estimator:
             self._footprints[sig] = out
         return self._footprints[sig]
 
+    def term_key(self, op, resolved: dict) -> tuple:
+        """What one operation's ``Term`` depends on: its resolved choice and its producers'."""
+        return (op.id, resolved[op.id], tuple((p, resolved[p]) for p in self._producers[op.id]))
+
     def term(self, op, layout, resolved: dict | None = None) -> Term | None:
         """One operation's ``Term``, or None if its plan cannot follow its producer."""
         res = resolved or self.resolve(layout)
-        key = (op.id, res[op.id], tuple((p, res[p]) for p in self._producers[op.id]))
+        key = self.term_key(op, res)
         if key not in self._terms:
-            self.computed += 1
             try:
                 self._terms[key] = self._compute(op, res)
             except ValueError:
@@ -367,6 +369,7 @@ class Baseline:
         for t in self.terms.values():
             if t is not None:
                 self.loads.add(t)
+        self.asked: set[tuple] = set()        # the terms compare() has asked for (cached or not)
 
     def compare(self, layout: dict) -> tuple[int | None, bool]:
         """(estimate of ``layout``, whether it is valid and within the caps)."""
@@ -378,6 +381,7 @@ class Baseline:
         if total is None:
             return None, False
         for i in touched:
+            self.asked.add(est.term_key(est.g.ops[i], res))
             new = est.term(est.g.ops[i], layout, res)
             if new is None:
                 return None, False

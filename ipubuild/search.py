@@ -378,8 +378,10 @@ def _proposals(h: Heuristic, layout, sc) -> list:
     return list(out)
 
 
-#: operation estimates (each scaled by the tiles it spans, 64 being 1) a round's screening may
-#: compute afresh: never reached on vit_fp8; on ViT-B/16's 1472 tiles, about 1000
+#: distinct operation estimates a round's screening may ask for on 64 tiles (in proportion fewer
+#: on larger machines, where each costs more: about 1000 on ViT-B/16's 1472 tiles); counted
+#: whether or not the estimator has them cached, so a resumed search screens what an
+#: uninterrupted one does. vit_fp8 never reaches it
 SCREEN_BUDGET = 1_500_000 // 64
 
 
@@ -391,9 +393,9 @@ def screen(proposals, incumbent, sc, visited, shortlist_size):
     est = sc.estimator
     baseline = Baseline(est, incumbent)
     seen, cheaper = set(), {}
-    budget = est.computed + SCREEN_BUDGET * 64 // max(64, sc.tile_count)
+    budget = SCREEN_BUDGET * 64 // max(64, sc.tile_count)
     for n, (idx, ch) in enumerate(sorted(enumerate(proposals), key=lambda p: (-_weight(p[1], baseline), p[0]))):
-        if est.computed >= budget:
+        if len(baseline.asked) >= budget:       # counted the same whatever the estimator has cached
             counts["unscreened"] = len(proposals) - n
             break
         layout = ch.apply(incumbent, sc.plans, sc.tile_count)

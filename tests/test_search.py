@@ -63,6 +63,28 @@ def test_screening_counts_add_up():
     assert all(sc.estimator.estimate(lay) < base for _, lay, _ in short)
 
 
+def test_a_budgeted_screen_does_not_depend_on_what_the_estimator_has_cached(monkeypatch):
+    """Where the screening budget binds (ViT-B/16), a resumed search starts with a cold estimator
+    and must still screen, and shortlist, what an uninterrupted one does."""
+    from ipubuild import search
+    target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    graph = build_model(get_plugin_manager(), target).graph
+    monkeypatch.setattr(search, "SCREEN_BUDGET", 40)
+    outcomes = []
+    for warm in (False, True):
+        sc = SearchContext(graph, 64, load_machine("ipu21"))
+        layout = initial_layout(sc, heuristics())
+        proposals = [c for h in heuristics() for c in h.propose(layout, sc)]
+        if warm:       # every proposal's estimate already cached, as after an earlier screen
+            monkeypatch.setattr(search, "SCREEN_BUDGET", 10**9)
+            screen(proposals, layout, sc, visited=set(), shortlist_size=3)
+            monkeypatch.setattr(search, "SCREEN_BUDGET", 40)
+        counts, short = screen(proposals, layout, sc, visited=set(), shortlist_size=3)
+        outcomes.append((counts, [(i, canonical.digest_of(lay)) for i, lay, _ in short]))
+    assert outcomes[0][0]["unscreened"] > 0, outcomes[0][0]
+    assert outcomes[0] == outcomes[1]
+
+
 def _doit(root, *args, **kw):
     return subprocess.Popen([sys.executable, "-m", "doit", *args], cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True, **kw)
