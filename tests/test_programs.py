@@ -45,7 +45,8 @@ class Built:
         return Graph.from_json(self.json("graph"))
 
     def state(self) -> dict:
-        return canonical.loads((self.root / ".ipubuild" / "search" / f"{self.name}.state.json").read_bytes())
+        from ipubuild.search import read_state
+        return read_state(self.root / ".ipubuild" / "search" / f"{self.name}.state.json")
 
 
 @pytest.fixture(scope="module")
