@@ -37,9 +37,12 @@ EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "pl
 
 @dataclasses.dataclass(frozen=True)
 class Changes:
-    """A change to a layout, in the reference's terms. Built-in heuristics change ``plans``
-    (operation -> plan index) and ``boundaries`` (operation -> tile offset: where its tile set
-    starts); the other fields are carried for heuristics that can express them."""
+    """A change to a layout, in the reference's terms: ``plans`` (``((operation id, plan
+    index), ...)``: the index into ``SearchContext.plans[operation id]``) and ``boundaries``
+    (``((operation id, tile offset), ...)``: where the operation's tile set starts, ``0 <=
+    offset < tile_count``). The other fields (``UNEXPRESSED``) are carried for layouts that can
+    express them; this one cannot, so a change that sets any of them is screened out as
+    ``inexpressible``."""
     plans: tuple = ()
     boundaries: tuple = ()
     casts: tuple = ()
@@ -49,22 +52,35 @@ class Changes:
     disjoint_copy_sources: tuple = (False, False)
     cast_storage: tuple = (None, None)
 
+    #: the fields a layout cannot express, with the value that leaves them unset
+    UNEXPRESSED = {"casts": (), "early_casts": (), "packing_rows": (None, None), "parallel_reductions": (0, 0),
+                   "disjoint_copy_sources": (False, False)}
+
     def apply(self, layout: dict, plans: dict[int, list], tile_count: int) -> dict | None:
-        """The changed layout, or None if this layout cannot express the change."""
-        if self.casts or self.early_casts or self.packing_rows != (None, None) \
-                or self.parallel_reductions != (0, 0) or self.disjoint_copy_sources != (False, False):
-            return None
+        """The changed layout, or None if this layout cannot express the change (``why_not``
+        says why)."""
+        return self._applied(layout, plans, tile_count)[0]
+
+    def why_not(self, layout: dict, plans: dict[int, list], tile_count: int) -> str | None:
+        """Why ``apply`` gives None: ``"inexpressible"`` (it sets a field of ``UNEXPRESSED``),
+        ``"out_of_range"`` (an operation the layout does not have, a plan index or tile offset
+        out of range) or ``"unchanged"`` (the layout already is so); None if it applies."""
+        return self._applied(layout, plans, tile_count)[1]
+
+    def _applied(self, layout, plans, tile_count) -> tuple[dict | None, str | None]:
+        if any(getattr(self, f) != unset for f, unset in self.UNEXPRESSED.items()):
+            return None, "inexpressible"
         ops = {k: dict(v) for k, v in layout["ops"].items()}
         for op, plan in self.plans:
             if str(op) not in ops or not 0 <= plan < len(plans[op]):
-                return None
+                return None, "out_of_range"
             ops[str(op)]["plan"] = plan
         for op, offset in self.boundaries:
             if str(op) not in ops or not 0 <= offset < tile_count:
-                return None
+                return None, "out_of_range"
             ops[str(op)]["offset"] = offset
         out = dict(layout, ops=ops)
-        return None if out == layout else out
+        return (None, "unchanged") if out == layout else (out, None)
 
     def describe(self, graph, policy: str) -> str:
         ops = ", ".join(f"OperationId({op})" for op, _ in sorted(self.plans))
@@ -78,13 +94,20 @@ class Changes:
 
 @dataclasses.dataclass(frozen=True)
 class Heuristic:
-    """A search heuristic: ``propose(layout, context) -> list[Changes]``, deterministic."""
+    """A search heuristic: ``propose(layout, context) -> list[Changes]``, deterministic.
+    ``layout`` is the incumbent (``{"ops": {"<operation id>": {"plan": i, "offset": t}}}``,
+    read-only) and ``context`` a :class:`SearchContext`. ``name`` (an identifier, unique) names
+    its proposals (``<name>#<index>``) and its counts in the search's log and state."""
     name: str
     propose: Callable
 
 
 class SearchContext:
-    """What heuristics see: the graph, each operation's plans, the tile count and an estimator."""
+    """What heuristics see: ``graph`` (the :class:`ipubuild.ir.Graph` being planned, with its
+    casts), ``plans`` (``{operation id: [plan dict, ...]}``, each operator's ``plans`` and
+    follow plans), ``tile_count``, ``machine`` (the machine description, a dict of
+    ``ipubuild/machines/<name>.toml``), ``producer`` (``{value id: the Op writing it}``) and
+    ``estimator`` (an :class:`Estimator` of layouts). Read-only."""
 
     def __init__(self, graph, tile_count: int, machine: dict):
         self.graph, self.tile_count, self.machine = graph, tile_count, machine
@@ -350,7 +373,7 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
 _worker: dict = {}
 
 
-def _evaluate_in_worker(attempt: int, proposal: int, layout: dict, forked: bool = False) -> dict:
+def _evaluate_in_worker(attempt: int, proposal, layout: dict, forked: bool = False) -> dict:
     w = _worker
     t0 = time.perf_counter()
     with span("local_candidate", attempt=attempt, proposal=proposal):
@@ -390,10 +413,35 @@ class Pool:
 
 # the search ------------------------------------------------------------------------------------
 def heuristics() -> list[Heuristic]:
+    """Every plugin's heuristics, in name order (a name declared twice, or one that is not an
+    identifier or is a key of the round's log lines, is an error naming the plugin)."""
     from .plugins import get_plugin_manager
-    found = get_plugin_manager().collect("ipubuild_search_heuristics", lambda h: isinstance(h, Heuristic),
-                                         "a list of ipubuild.search.Heuristic")
+    found = get_plugin_manager().collect(
+        "ipubuild_search_heuristics", _well_named, "a list of ipubuild.search.Heuristic, each named by an "
+        f"identifier other than {', '.join(RESERVED_NAMES)}")
+    owners: dict[str, str] = {}
+    for plugin, h in found:
+        if h.name in owners:
+            raise UserError(f"plugin {plugin}", f"hook ipubuild_search_heuristics: heuristic {h.name!r} is "
+                            f"already registered by {owners[h.name]}")
+        owners[h.name] = plugin
     return sorted((h for _, h in found), key=lambda h: h.name)
+
+
+#: why screening drops a proposal as invalid: the layout cannot express it (``inexpressible``,
+#: ``out_of_range``, ``unchanged``: see ``Changes.why_not``), a follow plan then cannot follow
+#: its producer (``unfollowable``), or a tile's constants exceed the planning cap (``over_memory``)
+INVALID_REASONS = ("inexpressible", "out_of_range", "unchanged", "unfollowable", "over_memory")
+#: what the search counts of each heuristic's proposals (the round's log lines and the state)
+HEURISTIC_COUNTS = ("proposed", *INVALID_REASONS, "fit", "visited", "deduplicated", "cheaper", "shortlisted",
+                    "evaluated", "improved", "accepted")
+#: the keys of the round's log lines, which a heuristic's name cannot be
+RESERVED_NAMES = ("round", "invalid", "not_cheaper", "truncated", *HEURISTIC_COUNTS)
+
+
+def _well_named(h) -> bool:
+    return isinstance(h, Heuristic) and isinstance(h.name, str) and h.name.isidentifier() \
+        and h.name not in RESERVED_NAMES and callable(h.propose)
 
 
 def state_path(ctx) -> Path:
@@ -409,6 +457,9 @@ def _save(path: Path, state: dict) -> None:
 
 STATE_KEYS = {"key": str, "incumbent": dict, "cycles": int, "attempts": int, "round": int,
               "visited": list, "history": list}
+#: optional keys of a saved state: ``heuristics`` — each heuristic's counts (HEURISTIC_COUNTS),
+#: summed over the rounds so far
+STATE_OPTIONAL = {"heuristics": dict}
 
 
 def read_state(path: Path) -> dict | None:
@@ -429,7 +480,8 @@ def read_state(path: Path) -> dict | None:
         except ValueError:
             state = None
     if not isinstance(state, dict) or any(not isinstance(state.get(k), t) or isinstance(state.get(k), bool)
-                                          for k, t in STATE_KEYS.items()):
+                                          for k, t in STATE_KEYS.items()) \
+            or any(not isinstance(state.get(k, t()), t) for k, t in STATE_OPTIONAL.items()):
         log.warning("ignored a search state that does not verify (damaged or edited); searching afresh",
                     path=os.path.relpath(path))
         return None
@@ -448,7 +500,9 @@ def _load(path: Path, key: str) -> dict | None:
 
 def search_layout(ctx, graph) -> tuple[dict, dict]:
     """The searched layout, and the search's summary ``{"initial_cycles", "history": [{"round",
-    "before", "after"}]}`` (one entry per accepted improvement; round 0 is the tile mapping)."""
+    "before", "after", "heuristic", "proposal"}], "heuristics": {name: counts}}`` (one history
+    entry per accepted improvement; round 0 is the tile mapping, which no heuristic proposes;
+    ``heuristics``: each heuristic's HEURISTIC_COUNTS summed over the rounds)."""
     cfg = ctx.config["search"]
     tiles = ctx.config["target"]["tile_count"]
     from .artifacts import machine_of
@@ -486,7 +540,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             # the first save comes after the tile-mapping screen, so a resumed search never
             # skips a step an uninterrupted one takes
             state = {"key": key, "incumbent": incumbent, "cycles": cycles, "attempts": 0, "round": 0,
-                     "visited": [canonical.digest_of(incumbent)], "history": []}
+                     "visited": [canonical.digest_of(incumbent)], "history": [], "heuristics": {}}
             incumbent, cycles = _screen_mappings(sc, incumbent, cycles, pool, state)
             state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(set(state["visited"]) | {canonical.digest_of(incumbent)})
@@ -495,16 +549,20 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
         while state["round"] < cfg["rounds"] and time.perf_counter() - t_start < cfg["seconds"]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()
-            proposals = [ch for h in found for ch in _proposals(h, incumbent, sc)]
-            counts, shortlist = screen(proposals, incumbent, sc, visited, cfg["shortlist"])
-            log.info("screened local search round", round=rnd, proposed=len(proposals), **counts)
+            proposals = [(h.name, ch) for h in found for ch in _proposals(h, incumbent, sc)]
+            screened = screen_round(proposals, incumbent, sc, visited, cfg["shortlist"], [h.name for h in found])
+            per = screened.heuristics
+            log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
+                     **screened.invalid, **_by_heuristic(per, ("proposed", "fit", "cheaper", "shortlisted")))
             screen_s = time.perf_counter() - t0
+            shortlist = screened.shortlist
             if not shortlist:
+                _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]
                 break
             log.info("evaluating ordered local candidates concurrently", candidates=len(shortlist),
                      threads=cfg["workers"])
-            jobs = [(state["attempts"] + i + 1, idx, layout) for i, (idx, layout, _) in enumerate(shortlist)]
+            jobs = [(state["attempts"] + i + 1, pid, layout) for i, (pid, layout, _, _) in enumerate(shortlist)]
             t1 = time.perf_counter()
             results = pool.map(jobs)
             eval_s = time.perf_counter() - t1
@@ -512,30 +570,39 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             hits = sum(r.get("hits", 0) for r in results)
             misses = sum(r.get("misses", 0) for r in results)
             best = None
-            for (attempt, idx, layout), (_, _, changes), r in zip(jobs, shortlist, results):
+            for (attempt, pid, layout), (_, _, changes, name), r in zip(jobs, shortlist, results):
                 visited.add(canonical.digest_of(layout))
+                per[name]["evaluated"] += 1
                 if "invalid" in r:
-                    log.info("rejected invalid local candidate", attempt=attempt, proposal=idx, reason=r["invalid"])
-                elif r["cycles"] < cycles and (best is None or r["cycles"] < best[3]["cycles"]):
-                    best = (attempt, layout, changes, r)
+                    log.info("rejected invalid local candidate", attempt=attempt, proposal=pid, reason=r["invalid"])
+                    continue
+                if r["cycles"] < cycles:
+                    per[name]["improved"] += 1
+                    if best is None or r["cycles"] < best[3]["cycles"]:
+                        best = (attempt, layout, changes, r, name, pid)
             log.info("measured local search round", round=rnd, proposals_per_s=f"{len(proposals) / max(screen_s, 1e-9):.0f}",
                      evaluations_per_s=f"{len(jobs) / max(eval_s, 1e-9):.2f}",
                      cache_hit_rate=f"{hits / max(1, hits + misses):.2f}")
             state["round"] = rnd
             if best is None:
                 log.info("retained incumbent layout: no candidate improved", round=rnd)
+                _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]
             else:
-                attempt, layout, changes, r = best
+                attempt, layout, changes, r, name, pid = best
+                per[name]["accepted"] += 1
                 log.info("accepted local layout improvement", attempt=attempt, before=cycles, after=r["cycles"],
-                         delta=changes.describe(graph, policy))
-                state["history"].append({"round": rnd, "before": cycles, "after": r["cycles"]})
+                         delta=changes.describe(graph, policy), heuristic=name, proposal=pid)
+                _count_round(state, rnd, per)
+                state["history"].append({"round": rnd, "before": cycles, "after": r["cycles"],
+                                         "heuristic": name, "proposal": pid})
                 incumbent, cycles = layout, r["cycles"]
                 state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(visited)
             _save(path, state)
         h = state["history"]   # the search's convergence, for the report
-        return incumbent, {"initial_cycles": h[0]["before"] if h else state["cycles"], "history": h}
+        return incumbent, {"initial_cycles": h[0]["before"] if h else state["cycles"], "history": h,
+                           "heuristics": state.get("heuristics", {})}
     finally:
         pool.close()
 
@@ -635,32 +702,95 @@ def _term(sc, op, layout, plan):
     return sc.estimator.term(op, layout)
 
 
-def screen(proposals, incumbent, sc, visited, shortlist_size):
-    """Count proposals by screening outcome; return the counts and ``[(index, layout, changes)]``."""
+@dataclasses.dataclass
+class Screening:
+    """A round's proposals screened: ``counts`` (each proposal counted once: ``invalid``,
+    ``visited``, ``not_cheaper``, ``deduplicated``, ``truncated``, ``shortlisted``), the
+    invalid ones by reason (INVALID_REASONS), each heuristic's counts (HEURISTIC_COUNTS; the
+    search adds ``evaluated``, ``improved`` and ``accepted``) and the shortlist ``[(proposal id,
+    layout, changes, heuristic)]``, the cheapest estimate first."""
+    counts: dict
+    invalid: dict
+    heuristics: dict
+    shortlist: list
+
+
+def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=()) -> Screening:
+    """Screen ``[(heuristic name, Changes), ...]`` (in the heuristics' order): drop the invalid
+    ones (by reason), those already evaluated (``visited``: layout digests) and repeats, estimate
+    the rest, keep the ``shortlist_size`` cheapest that the estimate finds cheaper than the
+    incumbent (ties: the earlier proposal). A proposal's id is ``<heuristic>#<index>``: its
+    index in the list its heuristic returned this round. A layout proposed again counts as
+    ``deduplicated`` for the heuristic that repeated it. ``heuristics`` names heuristics to
+    count even if they proposed nothing."""
     counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0)
+    invalid = dict.fromkeys(INVALID_REASONS, 0)
+    per: dict[str, dict] = {name: dict.fromkeys(HEURISTIC_COUNTS, 0) for name in heuristics}
     base = sc.estimator.estimate(incumbent)
     seen, cheaper = set(), []
-    for idx, ch in enumerate(proposals):
-        layout = ch.apply(incumbent, sc.plans, sc.tile_count)
-        if layout is None or not sc.estimator.fits(layout):   # fits: valid, and within the constant cap
+    for order, (name, ch) in enumerate(proposals):
+        c = per.setdefault(name, dict.fromkeys(HEURISTIC_COUNTS, 0))
+        pid = f"{name}#{c['proposed']}" if name else order
+        c["proposed"] += 1
+        layout, reason = ch._applied(incumbent, sc.plans, sc.tile_count)
+        if reason is None and not sc.estimator.fits(layout):   # fits: valid, and within the constant cap
+            reason = "unfollowable" if sc.estimator.estimate(layout) is None else "over_memory"
+        if reason is not None:
             counts["invalid"] += 1
+            invalid[reason] += 1
+            c[reason] += 1
             continue
+        c["fit"] += 1
         d = canonical.digest_of(layout)
         if d in visited:
             counts["visited"] += 1
+            c["visited"] += 1
             continue
         if d in seen:
             counts["deduplicated"] += 1
+            c["deduplicated"] += 1
             continue
         seen.add(d)
         e = sc.estimator.estimate(layout)
         if e >= base:
             counts["not_cheaper"] += 1
             continue
-        cheaper.append((e, idx, layout, ch))
+        c["cheaper"] += 1
+        cheaper.append((e, order, pid, layout, ch, name))
     cheaper.sort(key=lambda t: (t[0], t[1]))
     short = cheaper[:shortlist_size]
+    for *_, name in short:
+        per[name]["shortlisted"] += 1
     counts["truncated"] = len(cheaper) - len(short)
     counts["shortlisted"] = len(short)
-    return counts, [(idx, layout, ch) for _, idx, layout, ch in short]
+    return Screening(counts, invalid, per, [(pid, layout, ch, name) for _, _, pid, layout, ch, name in short])
+
+
+def screen(proposals, incumbent, sc, visited, shortlist_size):
+    """``screen_round`` of a list of ``Changes`` (their ids: 0, 1, …) or ``(heuristic, Changes)``
+    pairs: its counts and its shortlist ``[(proposal id, layout, changes)]``."""
+    s = screen_round([p if isinstance(p, tuple) else ("", p) for p in proposals], incumbent, sc, visited,
+                     shortlist_size)
+    return s.counts, [(pid, layout, ch) for pid, layout, ch, _ in s.shortlist]
+
+
+def _by_heuristic(per: dict, keys) -> dict:
+    """Log fields, one per heuristic: ``<name>="proposed=N fit=N …"`` (after ``fit``, the reasons
+    of its invalid proposals that occurred)."""
+    def fields(c):
+        shown = [k for k in keys if k != "fit"] if "fit" not in keys else \
+            [*keys[:keys.index("fit") + 1], *(r for r in INVALID_REASONS if c[r]), *keys[keys.index("fit") + 1:]]
+        return '"' + " ".join(f"{k}={c[k]}" for k in shown) + '"'
+    return {name: fields(c) for name, c in per.items() if name}
+
+
+def _count_round(state: dict, rnd: int, per: dict) -> None:
+    """Log each heuristic's counts of round ``rnd`` and add them to the state's sums."""
+    log.info("counted local search round by heuristic", round=rnd,
+             **_by_heuristic(per, ("proposed", "fit", "cheaper", "evaluated", "improved", "accepted")))
+    sums = state.setdefault("heuristics", {})
+    for name, c in per.items():
+        total = sums.setdefault(name, dict.fromkeys(HEURISTIC_COUNTS, 0))
+        for k, n in c.items():
+            total[k] = total.get(k, 0) + n
 
