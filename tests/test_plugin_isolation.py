@@ -15,9 +15,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = ["tests/test_plugins.py", "tests/test_targets.py", "tests/test_vit.py", "tests/test_reference_docs.py",
-           "tests/test_plugin_targets.py", "tests/test_cli_errors.py", "tests/test_search.py",
-           "tests/test_console.py", "plugins/ipubuild-rmsnorm/tests"]
+MODULES = ["tests/test_plugins.py", "tests/test_targets.py", "tests/test_vit.py", "tests/test_passes.py",
+           "tests/test_reference_docs.py", "tests/test_plugin_targets.py", "tests/test_cli_errors.py",
+           "tests/test_search.py", "tests/test_console.py::test_bare_doit_builds_what_it_can_and_names_what_it_skips",
+           "plugins/ipubuild-rmsnorm/tests"]
+#: what a plugin cannot change (a search resumed after kill -9 or from a damaged state)
+SKIPPED = "not kill_during_search and not corrupt_search_state"
 
 
 def install(site: Path) -> dict:
@@ -42,6 +45,6 @@ def test_the_suite_passes_with_two_plugins_installed(tmp_path):
                              "print(sorted(n for n, _ in g().list_name_plugin()))"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert "ipubuild_throwaway" in loaded.stdout and "ipubuild_rmsnorm.plugin" in loaded.stdout, loaded
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *MODULES],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", SKIPPED, *MODULES],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]

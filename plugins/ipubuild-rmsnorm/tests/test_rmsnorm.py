@@ -102,9 +102,9 @@ def test_kernel_variant_and_cycle_estimate():
 
 
 # the C kernel, compiled as a build compiles it ---------------------------------------------------
-@pytest.fixture(scope="module")
+@pytest.fixture
 def kernel():
-    return testing.load_variant("rmsnorm_f32")       # by name: the registered operator's variant
+    return testing.load_variant("rmsnorm_f32")       # by name: the registered operator's variant (compiled once)
 
 
 @pytest.mark.parametrize("rows, cols, offset", [(1, 1, 0), (3, 7, 1), (13, 192, 0), (5, 33, 3)])
