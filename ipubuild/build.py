@@ -17,7 +17,7 @@ from .operators import registry
 from .pipeline import Step
 
 # importing registers the phases (the kernels package, imported above, registers compile_kernels)
-from . import device, frontend, package, reference, report  # noqa: F401
+from . import device, frontend, package, reference, report, search  # noqa: F401
 from .planning import phases  # noqa: F401
 
 

@@ -20,16 +20,16 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
-
-from . import canonical
-from .engine import PHASES, MissingBlob
+from . import canonical, executors
+from .artifacts import graph_of, machine_of, to_json
+from .engine import PHASES, MissingBlob, phase
 from .errors import UserError
 from .files import write_atomic
 from .log import log, phase_finished, span
-from .operators import ceil_div, registry
-from .planning.cost import scalar_args
-from .planning.program import Blocks, PlanResolver, default_layout, plans_of, row_keys
+from .estimator import Baseline, Estimator
+from .placement import initial_layout
+from .planning.phases import OPS   # and registers the phases a candidate's evaluation runs
+from .planning.program import plans_of
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
               "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
@@ -116,232 +116,6 @@ class SearchContext:
         self.producer = {v: op for op in graph.ops for v in op.outputs}
 
 
-class Estimator:
-    """A cheap cost estimate of a layout: per operation stage, the slowest tile's compute, the
-    busiest exchange port's time (each transfer's setup per row and its bytes, at the sender
-    and at every receiver; a block several tiles read from one source is sent once: a
-    broadcast) and a sync. Terms are cached by the choices they depend on (the operation's and
-    its producers', follow chains included), so re-estimating a change costs a few operations.
-    A layout whose follow plans cannot follow their producers is invalid (``estimate`` None)."""
-
-    def __init__(self, graph, tile_count, machine, plans):
-        self.g, self.T, self.m, self.plans = graph, tile_count, machine, plans
-        self.resolver = PlanResolver(graph, tile_count, plans)
-        self.producer = {v: op for op in graph.ops for v in op.outputs}
-        self.fixed = set(graph.constants) | set(graph.inputs)
-        self.const_keys = {f"v{v}" for v in graph.constants}
-        self._producers = {op.id: sorted({self.producer[v].id for v in op.inputs if v not in self.fixed})
-                           for op in graph.ops}
-        self._consumers = collections.defaultdict(set)
-        for op in graph.ops:
-            for p in self._producers[op.id]:
-                self._consumers[p].add(op.id)
-        mem = machine["memory"]
-        self.cap = int((mem["loader_limit"] - mem["sram_base"]) * mem["constant_fraction"])
-        self._isz = collections.defaultdict(lambda: 4)   # temporaries are f32
-        self._isz.update({f"v{v}": val.itemsize for v, val in graph.values.items()})
-        self._terms, self._writes, self._work = {}, {}, {}
-
-    def resolve(self, layout: dict) -> dict:
-        return self.resolver.resolve(layout)
-
-    def lowering(self, op, layout: dict, resolved: dict | None = None):
-        """The operation's lowering under ``layout`` (ValueError if its plan cannot follow)."""
-        resolved = resolved or self.resolve(layout)
-        return self.resolver.lowering(op, resolved[op.id][0])
-
-    def estimate(self, layout: dict) -> int | None:
-        res = self.resolve(layout)
-        terms = [self.term(op, layout, res) for op in self.g.ops]
-        return None if any(t is None for t in terms) else sum(t[0] for t in terms)
-
-    def delta(self, layout: dict, resolved: dict, changes: dict[int, int]) -> int | None:
-        """How much the estimate of ``layout`` (resolved as ``resolved``) changes if each
-        operation in ``changes`` takes its plan there; None if that makes the layout invalid.
-        Only the terms the change touches are computed: the operations changed, those that
-        follow them (their blocks move with them), and their consumers."""
-        new = dict(resolved)
-        moved = set(changes)
-        for op in self.g.ops[min(changes):]:
-            i = changes.get(op.id, layout["ops"][str(op.id)]["plan"])
-            p = self.plans[op.id][i]
-            if "follow" in p:
-                src = self.producer[op.inputs[p["follow"]]].id
-                if op.id in changes or src in moved:
-                    moved.add(op.id)
-                    new[op.id] = ((i, new[src][0]), new[src][1])
-            elif op.id in changes:
-                new[op.id] = ((i,), layout["ops"][str(op.id)]["offset"])
-        touched = moved | {c for m in moved for c in self._consumers[m]}
-        before = after = 0
-        for i in sorted(touched):
-            op = self.g.ops[i]
-            a, b = self.term(op, layout, resolved), self.term(op, layout, new)
-            if b is None:
-                return None
-            before += a[0] if a else 0
-            after += b[0]
-        return after - before
-
-    def followers(self, layout: dict, op_id: int) -> set[int]:
-        """The operations that follow ``op_id``'s blocks under ``layout``, directly or through
-        other followers."""
-        out = {op_id}
-        for op in self.g.ops[op_id + 1:]:
-            p = self.plans[op.id][layout["ops"][str(op.id)]["plan"]]
-            if "follow" in p and self.producer[op.inputs[p["follow"]]].id in out:
-                out.add(op.id)
-        return out - {op_id}
-
-    def pressure(self, layout: dict) -> int:
-        """Bytes through the busiest exchange port, summed over exchange phases."""
-        res = self.resolve(layout)
-        return sum((self.term(op, layout, res) or (0, 0))[1] for op in self.g.ops)
-
-    def constant_load(self, layout: dict) -> collections.Counter:
-        """Bytes of constants (weights) each tile holds under this layout."""
-        res = self.resolve(layout)
-        load = collections.Counter()
-        for op in self.g.ops:
-            load.update((self.term(op, layout, res) or (0, 0, {}))[2])
-        return load
-
-    def fits(self, layout: dict) -> bool:
-        """Whether the layout is valid and every tile's constants stay under the planning cap
-        of tile memory."""
-        return self.estimate(layout) is not None and \
-            max(self.constant_load(layout).values(), default=0) <= self.cap
-
-    def term(self, op, layout, resolved: dict | None = None) -> tuple | None:
-        """(estimated cycles, busiest-port bytes, {tile: constant bytes}) of one operation, or
-        None if its plan cannot follow its producer."""
-        res = resolved or self.resolve(layout)
-        key = (op.id, res[op.id], tuple((p, res[p]) for p in self._producers[op.id]))
-        if key not in self._terms:
-            try:
-                self._terms[key] = self._compute(op, res)
-            except ValueError:
-                self._terms[key] = None
-        return self._terms[key]
-
-    def _written(self, op, choice, offset) -> dict:
-        """Where an operation's lowering leaves its blocks: ``{value key: Blocks}``."""
-        k = (op.id, choice, offset)
-        if k not in self._writes:
-            stored = collections.defaultdict(Blocks)
-            for st in self.resolver.lowering(op, choice).stages:
-                for w in st:
-                    for blk in w.writes:
-                        stored[blk[0]].add((offset + w.tile) % self.T, True, blk[1:])
-            self._writes[k] = dict(stored)
-        return self._writes[k]
-
-    def _stages(self, op, choice) -> tuple:
-        """What an operation does under a plan, whatever its offset: per stage, the slowest
-        logical tile's compute cycles, the blocks read of each value that is not a constant (an
-        array of ``[logical tile, r0, r1, c0, c1]`` rows, each gathered once) and the blocks
-        written; and the bytes of constants each logical tile holds."""
-        k = (op.id, choice)
-        if k not in self._work:
-            kernels = self.resolver.reg.kernels
-            stages, consts = [], {}
-            for st in self.resolver.lowering(op, choice).stages:
-                compute = collections.Counter()
-                reads: dict[str, dict] = {}
-                for w in st:
-                    compute[w.tile] += sum(int(kernels[n].cycles(scalar_args(a), self.m)) for n, a in w.vertices)
-                    for blk in w.reads:
-                        if blk[0] in self.const_keys:
-                            consts[(w.tile, blk)] = (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._isz[blk[0]]
-                        else:
-                            reads.setdefault(blk[0], {})[(w.tile, *blk[1:])] = None
-                stages.append((max(compute.values(), default=0),
-                               {vk: np.array(list(r), dtype=np.int64).reshape(-1, 5) for vk, r in reads.items()},
-                               [(w.tile, blk) for w in st for blk in w.writes]))
-            tiles = np.array([t for t, _ in consts], dtype=np.int64)
-            self._work[k] = (stages, tiles, np.array(list(consts.values()), dtype=np.int64))
-        return self._work[k]
-
-    def _compute(self, op, res) -> tuple:
-        stored = {}
-        for p in self._producers[op.id]:
-            stored.update(self._written(self.g.ops[p], *res[p]))
-        own = collections.defaultdict(Blocks)        # what earlier stages of this operation wrote
-        choice, offset = res[op.id]
-        sync = self.m["exchange"]["sync_cycles"]
-        total = pressure = 0
-        stages, const_tiles, const_bytes = self._stages(op, choice)
-        for compute, reads, writes in stages:
-            port = _Ports(self.T)
-            for vk, logical in reads.items():
-                blocks = own.get(vk) or stored.get(vk)
-                if blocks is None:
-                    continue
-                wanted = logical.copy()
-                wanted[:, 0] = (offset + wanted[:, 0]) % self.T
-                wanted = wanted[~np.isin(row_keys(wanted), blocks.keys())]   # already on the tile
-                if len(wanted):
-                    self._exchange(port, wanted, blocks, vk)
-            for t, blk in writes:
-                own[blk[0]].add((offset + t) % self.T, True, blk[1:])
-            pressure += port.pressure()
-            total += port.horizon() + compute + sync
-        load = np.bincount((offset + const_tiles) % self.T, weights=const_bytes, minlength=1) if len(const_tiles) else []
-        return total, pressure, {int(t): int(b) for t, b in enumerate(load) if b}
-
-    def _exchange(self, port: "_Ports", reads: np.ndarray, blocks: Blocks, vk: str) -> None:
-        """Charge the ports for gathering ``reads`` (rows ``[tile, r0, r1, c0, c1]``) from where
-        ``blocks`` hold the value: per fragment (a read block's intersection with a stored one),
-        its setup per row (rows coalesce into one transfer only when they span both blocks'
-        width) plus its bytes at the port's rate — at the receiver, and once at the sender for
-        every tile that reads the same fragment (a broadcast); on-tile copies at local speed."""
-        x = self.m["exchange"]
-        s_tiles, s_blks = blocks.arrays()
-        hit = ((s_blks[None, :, 0] < reads[:, None, 2]) & (s_blks[None, :, 1] > reads[:, None, 1])
-               & (s_blks[None, :, 2] < reads[:, None, 4]) & (s_blks[None, :, 3] > reads[:, None, 3]))
-        ri, si = np.nonzero(hit)
-        if not len(ri):
-            return
-        r, sb = reads[ri], s_blks[si]
-        ir0, ir1 = np.maximum(r[:, 1], sb[:, 0]), np.minimum(r[:, 2], sb[:, 1])
-        ic0, ic1 = np.maximum(r[:, 3], sb[:, 2]), np.minimum(r[:, 4], sb[:, 3])
-        nbytes = (ir1 - ir0) * (ic1 - ic0) * self._isz[vk]
-        whole = (ic0 == sb[:, 2]) & (ic1 == sb[:, 3]) & (sb[:, 2] == r[:, 3]) & (sb[:, 3] == r[:, 4])
-        rows = np.where(whole, 1, ir1 - ir0)
-        setup = x["transfer_setup_cycles"] * rows
-        dst, src = r[:, 0], s_tiles[si]
-        local = src == dst
-        port.add("local", dst[local], setup[local] - (-nbytes[local] // x["local_copy_bytes_per_cycle"]), None)
-        far = ~local
-        cycles = setup[far] - (-nbytes[far] // x["bytes_per_cycle"])
-        port.add("recv", dst[far], cycles, nbytes[far])
-        # one send per distinct fragment (source tile, stored block, intersection, rows), told
-        # apart by a hash of its fields (np.unique over rows would cost more than the rest)
-        key = row_keys(np.stack([src, *sb.T, ir0, ir1, ic0, ic1, rows], axis=1)[far])
-        _, first = np.unique(key, return_index=True)
-        port.add("send", src[far][first], cycles[first], nbytes[far][first])
-
-
-class _Ports:
-    """Per-tile busy cycles (local copies, receive and send ports) and bytes of one exchange
-    phase, as the estimator charges them."""
-
-    def __init__(self, tiles: int):
-        self.busy = {k: np.zeros(tiles, np.int64) for k in ("local", "recv", "send")}
-        self.moved = {k: np.zeros(tiles, np.int64) for k in ("recv", "send")}
-
-    def add(self, kind: str, tiles: np.ndarray, cycles: np.ndarray, nbytes: np.ndarray | None) -> None:
-        np.add.at(self.busy[kind], tiles, cycles)
-        if nbytes is not None:
-            np.add.at(self.moved[kind], tiles, nbytes)
-
-    def horizon(self) -> int:
-        return int(max(b.max(initial=0) for b in self.busy.values()))
-
-    def pressure(self) -> int:
-        return int(max(m.max(initial=0) for m in self.moved.values()))
-
-
 # exact evaluation ------------------------------------------------------------------------------
 def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
     """Run the compiler's phases up to the costed, placed program for ``layout``."""
@@ -386,17 +160,25 @@ def _evaluate_in_worker(attempt: int, proposal, layout: dict, forked: bool = Fal
 
 
 class Pool:
-    """Evaluates candidates in ``workers`` forked processes (or in-process for one worker)."""
+    """Evaluates candidates in ``workers`` forked processes (or in-process for one worker), or
+    on the cluster ``$IPUBUILD_SCHEDULER`` names (``ipubuild.executors``)."""
 
     def __init__(self, workers: int, engine, base, config):
         _worker.update(engine=engine, base=base, config=config)
         self.workers = workers
         self.executor = None
-        if workers > 1:
-            self.executor = concurrent.futures.ProcessPoolExecutor(
-                max_workers=workers, mp_context=multiprocessing.get_context("fork"))
+        executors.prepare_candidates(engine, base, config)
 
     def map(self, jobs: list[tuple]) -> list[dict]:
+        if executors.scheduler() is not None:
+            return executors.evaluate_candidates(_worker["engine"], _worker["base"], _worker["config"],
+                                                 jobs, self._map_here)
+        return self._map_here(jobs)
+
+    def _map_here(self, jobs: list[tuple]) -> list[dict]:
+        if self.workers > 1 and self.executor is None:
+            self.executor = concurrent.futures.ProcessPoolExecutor(
+                max_workers=self.workers, mp_context=multiprocessing.get_context("fork"))
         if self.executor is None:
             return [_evaluate_in_worker(*j) for j in jobs]
         futures = [self.executor.submit(_evaluate_in_worker, *j, True) for j in jobs]
@@ -430,7 +212,7 @@ def heuristics() -> list[Heuristic]:
 
 #: why screening drops a proposal as invalid: the layout cannot express it (``inexpressible``,
 #: ``out_of_range``, ``unchanged``: see ``Changes.why_not``), a follow plan then cannot follow
-#: its producer (``unfollowable``), or a tile's constants exceed the planning cap (``over_memory``)
+#: its producer (``unfollowable``), or a tile's constants or code exceed their caps (``over_memory``)
 INVALID_REASONS = ("inexpressible", "out_of_range", "unchanged", "unfollowable", "over_memory")
 #: what the search counts of each heuristic's proposals (the round's log lines and the state)
 HEURISTIC_COUNTS = ("proposed", *INVALID_REASONS, "fit", "visited", "deduplicated", "cheaper", "shortlisted",
@@ -498,6 +280,14 @@ def _load(path: Path, key: str) -> dict | None:
     return state
 
 
+@phase("plan_package", inputs=("graph", "machine", "runtime", "reservations"), outputs=("layout", "search"),
+       config=("name", "path", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
+def plan_package(ctx):
+    """The searched layout, and the search's convergence (``search``: initial cycles, accepted steps)."""
+    layout, summary = search_layout(ctx, graph_of(ctx))
+    return {"layout": to_json(layout), "search": to_json(summary)}
+
+
 def search_layout(ctx, graph) -> tuple[dict, dict]:
     """The searched layout, and the search's summary ``{"initial_cycles", "history": [{"round",
     "before", "after", "heuristic", "proposal"}], "heuristics": {name: counts}}`` (one history
@@ -505,7 +295,6 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
     ``heuristics``: each heuristic's HEURISTIC_COUNTS summed over the rounds)."""
     cfg = ctx.config["search"]
     tiles = ctx.config["target"]["tile_count"]
-    from .artifacts import machine_of
     machine = machine_of(ctx)
     sc = SearchContext(graph, tiles, machine)
     base = {k: ctx.digest(k) for k in ("graph", "machine", "runtime", "reservations")}
@@ -647,61 +436,6 @@ def _proposals(h: Heuristic, layout, sc) -> list:
     return list(out)
 
 
-INITIAL_PLANS_TRIED = 8
-SPREAD_FACTOR = 2
-
-
-def initial_layout(sc: SearchContext, found) -> dict:
-    """Greedy, in program order. An elementwise operation (a cast, an activation, a residual
-    add) takes its producer's blocks — the cheapest of its follow plans that can — so it
-    exchanges nothing; any other operation takes the plan (among its default, up to
-    INITIAL_PLANS_TRIED spread over its list, and its follow plans) that the estimator finds
-    cheapest given the plans already chosen for its producers, preferring plans that keep
-    every tile's constants under the cap."""
-    layout = default_layout(sc.graph, sc.tile_count)
-    reg = registry()
-    cursor, load = 0, collections.Counter()
-    for op in sc.graph.ops:
-        n = len(sc.plans[op.id])
-        follow = [i for i, p in enumerate(sc.plans[op.id]) if "follow" in p]
-        tried = sorted({0, *(i * (n - 1) // max(1, INITIAL_PLANS_TRIED - 1) for i in range(INITIAL_PLANS_TRIED)),
-                        *follow})
-        if reg.get(op.type).follows == "elements":
-            tried = [p for p in follow if _term(sc, op, layout, p) is not None] or tried
-        best = None
-        for p in tried:
-            t = _term(sc, op, layout, p)
-            if t is None:
-                continue
-            cost, _, consts = t
-            over = any(load[t] + b > sc.estimator.cap for t, b in consts.items())
-            if best is None or (over, cost) < best[:2]:
-                best = (over, cost, p, consts)
-        choice = layout["ops"][str(op.id)]
-        choice["plan"] = best[2]
-        load.update(best[3])
-        if "follow" in sc.plans[op.id][best[2]]:
-            choice["offset"] = sc.estimator.resolve(layout)[op.id][1]
-            continue
-        # on a machine much larger than the operation, give it fresh tiles (spreading code and
-        # data over the machine); otherwise start where its first producer starts
-        used = len({w.tile for st in sc.estimator.lowering(op, layout).stages for w in st})
-        if used * SPREAD_FACTOR <= sc.tile_count:
-            choice["offset"] = cursor
-            cursor = (cursor + used) % sc.tile_count
-        else:
-            producer = next((sc.producer[v] for v in op.inputs if v in sc.producer), None)
-            if producer is not None:
-                choice["offset"] = sc.estimator.resolve(layout)[producer.id][1]
-    return layout
-
-
-def _term(sc, op, layout, plan):
-    """The estimator's term of ``op`` on ``plan`` (the layout is left with that plan)."""
-    layout["ops"][str(op.id)]["plan"] = plan
-    return sc.estimator.term(op, layout)
-
-
 @dataclasses.dataclass
 class Screening:
     """A round's proposals screened: ``counts`` (each proposal counted once: ``invalid``,
@@ -726,15 +460,17 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
     counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0)
     invalid = dict.fromkeys(INVALID_REASONS, 0)
     per: dict[str, dict] = {name: dict.fromkeys(HEURISTIC_COUNTS, 0) for name in heuristics}
-    base = sc.estimator.estimate(incumbent)
+    baseline = Baseline(sc.estimator, incumbent)
     seen, cheaper = set(), []
     for order, (name, ch) in enumerate(proposals):
         c = per.setdefault(name, dict.fromkeys(HEURISTIC_COUNTS, 0))
         pid = f"{name}#{c['proposed']}" if name else order
         c["proposed"] += 1
         layout, reason = ch._applied(incumbent, sc.plans, sc.tile_count)
-        if reason is None and not sc.estimator.fits(layout):   # fits: valid, and within the constant cap
-            reason = "unfollowable" if sc.estimator.estimate(layout) is None else "over_memory"
+        if reason is None:
+            e, fits = baseline.compare(layout)
+            if not fits:         # not valid, or over the cap of constants or code on some tile
+                reason = "unfollowable" if e is None else "over_memory"
         if reason is not None:
             counts["invalid"] += 1
             invalid[reason] += 1
@@ -751,8 +487,7 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
             c["deduplicated"] += 1
             continue
         seen.add(d)
-        e = sc.estimator.estimate(layout)
-        if e >= base:
+        if e >= baseline.total:
             counts["not_cheaper"] += 1
             continue
         c["cheaper"] += 1

@@ -79,7 +79,7 @@ def env(tree: Path | None = None, **extra) -> dict:
     e = dict(os.environ)
     for k in ("IPUBUILD_VERBOSE", "IPUBUILD_CACHE_DIR", "IPUBUILD_PLUGINS"):
         e.pop(k, None)
-    for k in [k for k in e if k.startswith("IPUBUILD_REMOTE_CACHE")]:   # never a developer's remote
+    for k in [k for k in e if k.startswith(("IPUBUILD_REMOTE_CACHE", "IPUBUILD_SCHEDULER"))]:  # nor their cluster
         e.pop(k)
     e.update(IPUBUILD_CONSOLE="tasks", IPUBUILD_LOG="debug")
     if tree is not None:

@@ -57,56 +57,74 @@ def test_build_passes_and_profile_equals_cost_model(tmp_path, monkeypatch):
     assert (tree / "artifacts" / "small" / "small.ipuexe").stat().st_size > 0
 
 
+def tile_memory(*rows):
+    """The simulator's memory (one row per loaded tile) and its tile-to-row map (tile i on row i)."""
+    return np.stack(rows), np.arange(len(rows))
+
+
 def test_exchange_copies_exactly_what_the_tables_say():
     rng = np.random.default_rng(0)
-    mems = {t: rng.integers(0, 256, 4096, dtype=np.uint8) for t in range(4)}
-    before = {t: m.copy() for t, m in mems.items()}
+    memory, row_of = tile_memory(*(rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(4)))
+    before = memory.copy()
     entries = [[0, 100, 64, 1, 2000, 16, 5, 16],   # strided gather: 5 rows of 16 bytes
                [2, 0, 300, 2, 3000, 300, 1, 300],   # on-tile copy
-               [3, 4000, 96, 0, 10, 40, 1, 40]]
-    run_exchange(mems, entries)
-    want = {t: m.copy() for t, m in before.items()}
+               [3, 4000, 96, 0, 10, 40, 1, 40],     # unaligned: moved as bytes
+               [1, 8, 24, 3, 64, 8, 3, 8],          # aligned rows: moved as 8-byte words
+               [2, 3, 0, 3, 7, 0, 0, 5]]            # no rows: nothing
+    run_exchange(memory, row_of, entries)
+    want = before.copy()
     for st, sa, ss, dt, da, ds, rows, rb in entries:
         for r in range(rows):
-            want[dt][da + r * ds:da + r * ds + rb] = before[st][sa + r * ss:sa + r * ss + rb]
-    for t in mems:
-        assert np.array_equal(mems[t], want[t])
+            want[dt, da + r * ds:da + r * ds + rb] = before[st, sa + r * ss:sa + r * ss + rb]
+    assert np.array_equal(memory, want)
 
 
 def test_a_broadcast_copies_the_same_rows_to_every_destination():
     rng = np.random.default_rng(1)
-    mems = {t: rng.integers(0, 256, 4096, dtype=np.uint8) for t in range(5)}
-    before = {t: m.copy() for t, m in mems.items()}
+    memory, row_of = tile_memory(*(rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(5)))
+    before = memory.copy()
     # tile 0 sends 3 rows of 24 bytes (stride 40) once, to tiles 1, 2 and 4 at their own
     # addresses and strides; tile 3 sends a plain entry in the same phase
-    run_exchange(mems, [[0, 100, 40, 1, 1000, 24, 3, 24, 2, 3000, 32, 4, 10, 64],
-                        [3, 0, 16, 0, 2000, 16, 1, 16]])
-    want = {t: m.copy() for t, m in before.items()}
+    run_exchange(memory, row_of, [[0, 100, 40, 1, 1000, 24, 3, 24, 2, 3000, 32, 4, 10, 64],
+                                  [3, 0, 16, 0, 2000, 16, 1, 16]])
+    want = before.copy()
     for dt, da, ds in [(1, 1000, 24), (2, 3000, 32), (4, 10, 64)]:
         for r in range(3):
-            want[dt][da + r * ds:da + r * ds + 24] = before[0][100 + r * 40:100 + r * 40 + 24]
-    want[0][2000:2016] = before[3][0:16]
-    for t in mems:
-        assert np.array_equal(mems[t], want[t]), t
+            want[dt, da + r * ds:da + r * ds + 24] = before[0, 100 + r * 40:100 + r * 40 + 24]
+    want[0, 2000:2016] = before[3, 0:16]
+    assert np.array_equal(memory, want)
 
 
 def test_a_broadcast_out_of_range_is_an_error():
-    mems = {0: np.zeros(64, dtype=np.uint8), 1: np.zeros(64, dtype=np.uint8)}
+    memory, row_of = tile_memory(np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
     with pytest.raises(UserError, match="tile 1 address 60 is out of range"):
-        run_exchange(mems, [[0, 0, 8, 1, 0, 8, 1, 8, 1, 60, 8]])
+        run_exchange(memory, row_of, [[0, 0, 8, 1, 0, 8, 1, 8, 1, 60, 8]])
 
 
 def test_exchange_reads_before_it_writes():
-    mems = {0: np.arange(64, dtype=np.uint8), 1: np.zeros(64, dtype=np.uint8)}
+    memory, row_of = tile_memory(np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
     # swap two halves of tile 0 in one phase
-    run_exchange(mems, [[0, 0, 32, 0, 32, 32, 1, 32], [0, 32, 32, 0, 0, 32, 1, 32]])
-    assert list(mems[0]) == list(range(32, 64)) + list(range(32))
+    run_exchange(memory, row_of, [[0, 0, 32, 0, 32, 32, 1, 32], [0, 32, 32, 0, 0, 32, 1, 32]])
+    assert list(memory[0]) == list(range(32, 64)) + list(range(32))
 
 
-def test_exchange_out_of_range_is_an_error():
-    mems = {0: np.zeros(64, dtype=np.uint8)}
+@pytest.mark.parametrize("entry", [[0, 0, 32, 0, 40, 32, 1, 32],     # past the end of tile memory
+                                   [0, 0, 8, 1, 0, 8, 1, 8],         # to a tile that is not loaded
+                                   [5, 0, 8, 0, 0, 8, 1, 8]])        # from a tile the machine lacks
+def test_exchange_out_of_range_is_an_error(entry):
+    memory, _ = tile_memory(np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
+    row_of = np.array([0, -1, 1])
+    before = memory.copy()
     with pytest.raises(UserError, match="out of range"):
-        run_exchange(mems, [[0, 0, 32, 0, 40, 32, 1, 32]])
+        run_exchange(memory, row_of, [entry])
+    assert np.array_equal(memory, before)
+
+
+def test_exchange_writing_a_byte_twice_is_an_error():
+    memory, row_of = tile_memory(np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
+    with pytest.raises(UserError, match="write the same bytes"):
+        run_exchange(memory, row_of, [[0, 0, 16, 1, 0, 16, 2, 16], [0, 40, 8, 1, 20, 8, 1, 8]])
+    assert not memory[1].any()
 
 
 def test_kernel_loop_through_doit(tmp_path):

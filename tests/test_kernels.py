@@ -74,7 +74,8 @@ CAST_VARIANTS = [(F32, F143), (F32, F152), (F143, F32), (F152, F32), (F32, F16),
 
 
 @pytest.mark.parametrize("src_t,dst_t", CAST_VARIANTS)
-@pytest.mark.parametrize("scale", [0, 5, -9, 32, -32])
+@pytest.mark.parametrize("scale", [0, 5, -9, 32, -32, 150, -150, 1100, -1100])   # |scale| > 1000: the double path
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 def test_cast_bit_exact(kernels, tile, src_t, dst_t, scale):
     k = kernels.get("cast", SRC_TYPE=src_t, DST_TYPE=dst_t)
     r = rng(abs(scale) + 100 * src_t + 10 * dst_t)
@@ -111,6 +112,21 @@ def test_cast_bit_exact(kernels, tile, src_t, dst_t, scale):
         nan = np.isnan(expect)
         np.testing.assert_array_equal(got.view(np.uint32)[~nan], expect.view(np.uint32)[~nan])
         assert np.all(np.isnan(got[nan]))
+
+
+@pytest.mark.parametrize("dst_t", [F143, F152])
+@pytest.mark.parametrize("scale", [0, 7, -20, 140, -140])
+def test_cast_to_fp8_bit_exact_over_a_sweep_of_all_floats(kernels, tile, dst_t, scale):
+    """Every 4099th f32 bit pattern (all classes, every binade), against ipubuild/fp8.py."""
+    k = kernels.get("cast", SRC_TYPE=F32, DST_TYPE=dst_t)
+    every = np.arange(0, 2**32, 4099, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    a_src, a_dst = tile.alloc(4 * 2**16), tile.alloc(2**16)
+    for start in range(0, every.size, 2**16):   # in chunks that fit tile memory
+        src = every[start:start + 2**16]
+        tile.write(a_src, src)
+        assert k(tile, [a_src, a_dst, src.size, scale & 0xFFFFFFFF]) == 0
+        np.testing.assert_array_equal(tile.read(a_dst, np.uint8, (src.size,)),
+                                      fp8.encode(src, FP8_NAME[dst_t], scale))
 
 
 def test_cast_does_not_touch_neighbours(kernels, tile):
@@ -163,6 +179,45 @@ def test_matmul(kernels, tile, at, bt, m, k, n, flags, with_bias):
     got = tile.read(c_addr, np.float32, (m, n))
     expect = matmul_ref(a_raw, b_raw, at, bt, m, k, n, trans, sa, sb, bias, c_old)
     np.testing.assert_allclose(got, expect, rtol=1e-5, atol=1e-6)
+
+
+def sequential_matmul(A, B):
+    """f32 dot products accumulated one product at a time over k, in index order."""
+    acc = np.zeros((A.shape[0], B.shape[1]), np.float32)
+    for p in range(A.shape[1]):
+        acc = acc + A[:, p:p + 1] * B[p:p + 1, :]
+    return acc
+
+
+@pytest.mark.parametrize("at,bt", [(F143, F143), (F152, F143), (F16, F16), (F32, F32)])
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (5, 37, 9), (9, 64, 17), (4, 200, 8)])
+@pytest.mark.parametrize("flags", [0, 1, 3])
+def test_matmul_bit_exact_index_order(kernels, tile, at, bt, m, k, n, flags):
+    """Bit-exact with one f32 accumulator per dot product over k in index order, on shapes
+    that are not whole blocks; nothing outside C is written."""
+    kern = kernels.get("matmul", A_TYPE=at, B_TYPE=bt)
+    r = rng(m * 7 + k * 3 + n + flags)
+    sa, sb = (2, -3) if at in FP8_NAME else (0, 0)
+    trans = bool(flags & 1)
+    a_raw = store(r.standard_normal(m * k).astype(np.float32) * 3, at, sa)
+    b_raw = store(r.standard_normal(k * n).astype(np.float32) * 3, bt, sb)
+    bias = r.standard_normal(n).astype(np.float32)
+    c_old = r.standard_normal((m, n)).astype(np.float32)
+    a_addr, b_addr = tile.put(a_raw, offset=1 if at in FP8_NAME else 0), tile.put(b_raw)
+    c_addr, bias_addr = tile.put(c_old), tile.put(bias)
+    before = tile.mem.copy()
+    args = [a_addr, b_addr, c_addr, m, k, n, flags, sa & 0xFFFFFFFF, sb & 0xFFFFFFFF, bias_addr]
+    assert kern(tile, args) == 0
+    A = unscaled(a_raw, at).reshape(m, k)
+    B = unscaled(b_raw, bt)
+    B = B.reshape(n, k).T if trans else B.reshape(k, n)
+    expect = np.ldexp(sequential_matmul(A, B), -(sa + sb)).astype(np.float32) + bias
+    if flags & 2:
+        expect = c_old + expect
+    got = tile.read(c_addr, np.float32, (m, n))
+    np.testing.assert_array_equal(got.view(np.uint32), expect.view(np.uint32))
+    changed = np.nonzero(tile.mem != before)[0]
+    assert changed.size == 0 or (changed.min() >= c_addr and changed.max() < c_addr + 4 * m * n)
 
 
 def test_matmul_fp8_exact_products(kernels, tile):

@@ -11,6 +11,7 @@ import pytest
 from ipubuild import canonical
 from ipubuild.build import all_steps, build_in_process
 from ipubuild.ir import Graph
+from ipubuild.search import read_state
 from ipubuild.operators import registry
 from ipubuild.pipeline import Workspace
 from ipubuild.planning.program import plans_of
@@ -45,7 +46,6 @@ class Built:
         return Graph.from_json(self.json("graph"))
 
     def state(self) -> dict:
-        from ipubuild.search import read_state
         return read_state(self.root / ".ipubuild" / "search" / f"{self.name}.state.json")
 
 
@@ -128,11 +128,11 @@ def test_vit_fp8_broadcasts_and_folds_its_casts(vit):
 # a small target built with a layout of our choosing ---------------------------------------------------
 def _build_with_layout(built: Built, layout: dict) -> Built:
     """Re-run ``built``'s build after plan_package with ``layout`` in place of the search's."""
-    target = load_target(str(built.root / "targets" / f"{built.name}.toml"))
+    target = load_target(f"targets/{built.name}.toml", root=built.root)
     ws = built.ws
     digest = ws.store.put(canonical.dumps(layout), pin=True)
     ws.ref_path(f"{built.name}/layout").write_text(digest + "\n")
-    steps = all_steps(target, ws.artifacts)
+    steps = all_steps(target, ws.root)
     after = [i for i, s in enumerate(steps) if s.phase == "plan_package"][0] + 1
     out = dict(built.out, **{f"{built.name}/layout": digest})
     cwd = os.getcwd()

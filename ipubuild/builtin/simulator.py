@@ -5,11 +5,22 @@ its tile image; the tile program and exchange table are decoded from that memory
 phase by phase: the exchange copies exactly what the tables say, then every tile's vertices call
 the compiled C kernels with pointers into that tile's memory, then a sync. Cycles come from the
 kernels' estimators and the exchange horizons, as in the cost model.
+
+The used tiles' memories are the rows of one array, so that an exchange phase is a few gathers
+and scatters over it (one per row length); each step's vertex calls, their cycles and the
+exchange horizons are worked out once, when the package is loaded, and the vertices of a step
+run on a few threads (tiles share no memory, so the results do not depend on it).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import gc
+import itertools
+import mmap
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -29,28 +40,74 @@ class Simulator:
     name = "ipumodel"
 
     def run(self, package: bytes, inputs: dict, workdir: Path) -> DeviceRun:
-        log.info("reading application package")
-        pkg = Package(package, "package")
-        m = pkg.manifest
-        machine = m["machine"]
-        log.info("application package read", tiles=m["tiles"], compiler=pkg.compiler)
-        with device_ownership(self.name):
-            log.info("opening IPU device", path='"ipumodel:0"')
-            log.info("IPU device initialized")
-            return self._run(pkg, machine, inputs, workdir)
+        lanes = threads()
+        with _without_gc():
+            log.info("reading application package")
+            pkg = Package(package, "package")
+            m = pkg.manifest
+            machine = m["machine"]
+            log.info("application package read", tiles=m["tiles"], compiler=pkg.compiler)
+            with device_ownership(self.name):
+                log.info("opening IPU device", path='"ipumodel:0"')
+                log.info("IPU device initialized")
+                return self._run(pkg, machine, inputs, workdir, lanes)
 
-    def _run(self, pkg, machine, inputs, workdir):
+    def _run(self, pkg, machine, inputs, workdir, lanes):
         m = pkg.manifest
         t0 = time.perf_counter()
         log.info("loading application", tile_count=m["tiles"])
+        memory, row_of, programs, tables = self._load(pkg, machine, workdir)
+        host = m["host"]
+        host_program = canonical.loads(pkg.member("host/program.json"))
+        plan = _Plan(memory, programs, tables, machine, host["run"]["phases"], host_program["paired"], lanes)
+        log.info("application loaded and initial synchronization completed", tile_count=m["tiles"],
+                 elapsed_ms=int((time.perf_counter() - t0) * 1000))
+        log.info("invoking host exchange call", call='"initialize"', phases=host["initialize"]["phases"])
+        for b in m["inputs"]:
+            raw = _input_bytes(b, inputs)
+            for off, size, tile, addr in b["ranges"]:
+                memory[_row(row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
+        log.info("invoking host exchange call", call='"run"', phases=host["run"]["phases"])
+        ok = True
+        with _pool(plan) as pool:
+            for s in range(host["run"]["phases"]):
+                run_exchange(memory, row_of, plan.entries[s])
+                for _, tile, kname, rc in plan.execute(s, pool):
+                    ok = False
+                    log.warning("vertex failed", step=s, tile=tile, kernel=kname, code=rc)
+        sync = machine["exchange"]["sync_cycles"]
+        steps, total = [], 0
+        for s in range(host["run"]["phases"]):
+            slowest = max((c for _, c in plan.compute[s]), default=0)
+            total += plan.horizons[s] + slowest + sync
+            steps.append({"name": host_program["steps"][s], "exchange": plan.horizons[s],
+                          "compute": {str(t): c for t, c in plan.compute[s]}, "slowest": slowest, "sync": sync})
+        outputs = {}
+        for b in m["outputs"]:
+            raw = np.zeros(int(np.prod(b["shape"])) * np.dtype(DTYPES[b["dtype"]]).itemsize, np.uint8)
+            for off, size, tile, addr in b["ranges"]:
+                raw[off:off + size] = memory[_row(row_of, tile, b["name"]), addr:addr + size]
+            outputs[b["name"]] = raw.view(DTYPES[b["dtype"]]).reshape(b["shape"])
+        trace = _trace(steps, plan.compute, machine)
+        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(memory), "ok": ok,
+                   "total_cycles": total, "samples": len(trace), "steps": steps}
+        return DeviceRun(outputs, profile, trace)
+
+    def _load(self, pkg, machine, workdir):
+        """Every used tile's memory filled from its image (rows of one array; ``row_of[tile]``,
+        -1 for idle tiles), its decoded program ``{step: [(kernel function, name, args)]}``
+        and its exchange table."""
+        m = pkg.manifest
         kernels = self._load_kernels(pkg, workdir)
-        mems, programs, tables = {}, {}, []
         idle = m["idle_image"]
-        for tile, digest in enumerate(m["tile_images"]):
-            if digest == idle:
-                continue
-            header, blobs = pkg.images[digest]
-            mem = np.zeros(machine["sram_end"], dtype=np.uint8)
+        used = [t for t, digest in enumerate(m["tile_images"]) if digest != idle]
+        row_of = np.full(m["tiles"], -1, dtype=np.int64)
+        row_of[used] = np.arange(len(used))
+        memory = _zeroed_memory(len(used), machine["sram_end"])
+        programs, tables = {}, []
+        for row, tile in enumerate(used):
+            header, blobs = pkg.images[m["tile_images"][tile]]
+            mem = memory[row]
             names = {}
             for kind, name, addr, size, _ in header["segments"]:
                 if kind == "kernel":
@@ -60,67 +117,19 @@ class Simulator:
                 mem[addr:addr + size] = np.frombuffer(raw, dtype=np.uint8)
                 if kind in ("program", "exchange"):
                     names[f"@{kind}"] = (addr, size)
-            mems[tile] = mem
             kn, steps = codegen.decode_program(_read(mem, names["@program"]))
-            programs[tile] = {s: [(names[kn[k]], kn[k], np.asarray(a, dtype=np.uint32)) for k, a in verts]
-                              for s, verts in steps}
+            programs[tile] = {s: [(names[kn[k]], kn[k], a) for k, a in verts] for s, verts in steps}
             try:
                 tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
             except ValueError as exc:
                 raise UserError("package", f"tile {tile}: {exc}: rebuild the package with this ipubuild") from None
-        log.info("application loaded and initial synchronization completed", tile_count=m["tiles"],
-                 elapsed_ms=int((time.perf_counter() - t0) * 1000))
-        host = pkg.manifest["host"]
-        log.info("invoking host exchange call", call='"initialize"', phases=host["initialize"]["phases"])
-        for b in m["inputs"]:
-            raw = _input_bytes(b, inputs)
-            for off, size, tile, addr in b["ranges"]:
-                mems[tile][addr:addr + size] = raw[off:off + size]
-        log.info("invoking host exchange call", call='"run"', phases=host["run"]["phases"])
-        by_step = {}
-        for table in tables:
-            for e in table:
-                by_step.setdefault(e[0], []).append(e[1:])
-        host_program = canonical.loads(pkg.member("host/program.json"))
-        reg = registry()
-        steps, total, ok = [], 0, True
-        sync = machine["exchange"]["sync_cycles"]
-        for s in range(host["run"]["phases"]):
-            step_entries = by_step.get(s, [])
-            run_exchange(mems, step_entries)
-            horizon = exchange.horizon_of(step_entries, machine, host_program["paired"][s]) if step_entries else 0
-            compute = {}
-            for tile, prog in programs.items():
-                verts = prog.get(s)
-                if not verts:
-                    continue
-                base = mems[tile].ctypes.data_as(ctypes.c_void_p)
-                cycles = 0
-                for fn, kname, args in verts:
-                    if fn(base, args.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32))) != 0:
-                        ok = False
-                        log.warning("vertex failed", step=s, tile=tile, kernel=kname)
-                    cycles += int(reg.kernels[kname].cycles([int(a) for a in args], machine))
-                compute[str(tile)] = cycles
-            slowest = max(compute.values(), default=0)
-            total += horizon + slowest + sync
-            steps.append({"name": host_program["steps"][s], "exchange": horizon, "compute": compute,
-                          "slowest": slowest, "sync": sync})
-        outputs = {}
-        for b in m["outputs"]:
-            raw = np.zeros(int(np.prod(b["shape"])) * np.dtype(DTYPES[b["dtype"]]).itemsize, np.uint8)
-            for off, size, tile, addr in b["ranges"]:
-                raw[off:off + size] = mems[tile][addr:addr + size]
-            outputs[b["name"]] = raw.view(DTYPES[b["dtype"]]).reshape(b["shape"])
-        trace = _trace(steps, machine)
-        profile = {"device": self.name, "tiles": m["tiles"], "tiles_used": len(mems), "ok": ok,
-                   "total_cycles": total, "samples": len(trace), "steps": steps}
-        return DeviceRun(outputs, profile, trace)
+        return memory, row_of, programs, tables
 
     def _load_kernels(self, pkg, workdir):
-        out, known = {}, registry().kernels
+        out = {}
+        declared = registry().kernels
         for name, digest in sorted(pkg.manifest["kernels"].items()):
-            if name not in known:
+            if name not in declared:     # its cycle estimator is needed too
                 raise UserError(f"kernel {name}", "no installed plugin declares this kernel variant: install "
                                 "the plugins the package was built with")
             path = Path(workdir) / f"{digest}.so"
@@ -130,29 +139,101 @@ class Simulator:
             except (OSError, AttributeError) as exc:
                 raise UserError(f"kernel {name}", f"the device cannot load its object: {exc}") from None
             fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32)]
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             out[name] = fn
         return out
 
 
-def run_exchange(mems: dict, entries) -> None:
-    """Perform one exchange phase: each entry ``[src_tile, src_addr, src_stride, dst_tile,
-    dst_addr, dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]`` copies ``rows``
-    rows of ``row_bytes`` bytes to each of its destinations (one, or several for a broadcast).
-    All reads happen before any write (the exchange is a phase, not a sequence of copies)."""
-    staged = []
-    for e in entries:
-        st, sa, ss, rows, rb = (int(e[i]) for i in (0, 1, 2, 6, 7))
-        dests = [(int(e[3]), int(e[4]), int(e[5]))] + [(int(d), int(a), int(s)) for d, a, s in
-                                                       zip(e[8::3], e[9::3], e[10::3])]
-        for tile, addr, stride in ((st, sa, ss), *dests):
-            if tile not in mems or addr + (rows - 1) * stride + rb > len(mems[tile]):
-                raise UserError("package", f"exchange entry to or from tile {tile} address {addr} "
-                                "is out of range: the package is corrupt")
-        src = np.lib.stride_tricks.as_strided(mems[st][sa:], (rows, rb), (ss, 1)).copy()
-        staged.extend((dt, da, ds, rows, rb, src) for dt, da, ds in dests)
-    for dt, da, ds, rows, rb, data in staged:
-        np.lib.stride_tricks.as_strided(mems[dt][da:], (rows, rb), (ds, 1))[...] = data
+class _Plan:
+    """What the host calls do, worked out once from the loaded tiles: per step, the exchange
+    entries and horizon, each tile's compute cycles from the kernels' estimators, and the vertex
+    calls (kernel, tile memory, arguments) split by tile into ``lanes`` lists of about equal
+    cycles, which may run at the same time (tiles share no memory)."""
+
+    def __init__(self, memory, programs, tables, machine, n_steps, paired, lanes=1):
+        reg = registry()
+        by_step = [[] for _ in range(n_steps)]              # tile order, then table order
+        for table in tables:
+            for e in table:
+                if not 0 <= e[0] < n_steps:
+                    raise UserError("package", f"an exchange entry names step {e[0]} of a run of {n_steps}: "
+                                    "the package is corrupt")
+                by_step[e[0]].append(e[1:])
+        self.entries = [unicast(es) for es in by_step]
+        self.horizons = [exchange.horizon_of(es, machine, paired[s]) if es else 0 for s, es in enumerate(by_step)]
+        base, stride = memory.ctypes.data, memory.strides[0]
+        args = [a for prog in programs.values() for verts in prog.values() for _, _, a in verts]
+        lengths = np.fromiter(map(len, args), dtype=np.int64, count=len(args))
+        # kept alive: the calls point into it
+        self._args = np.fromiter(itertools.chain.from_iterable(args), dtype=np.uint32, count=int(lengths.sum()))
+        addresses = (self._args.ctypes.data + 4 * (np.cumsum(lengths) - lengths)).tolist()
+        estimates, pos = {}, 0
+        self.compute = [[] for _ in range(n_steps)]          # (tile, cycles) in tile order
+        self.lanes = [[[] for _ in range(lanes)] for _ in range(n_steps)]
+        load = [[0] * lanes for _ in range(n_steps)]
+        seq = [0] * n_steps                                     # a call's place in its step
+        for row, (tile, prog) in enumerate(programs.items()):
+            mem = base + row * stride
+            for s, verts in prog.items():
+                if not verts:
+                    continue
+                cycles, calls = 0, []
+                for fn, kname, a in verts:
+                    seq[s] += 1
+                    key = (kname, *a)
+                    c = estimates.get(key)
+                    if c is None:
+                        c = estimates[key] = int(reg.kernels[kname].cycles(a, machine))
+                    cycles += c
+                    calls.append((fn, mem, addresses[pos], seq[s], tile, kname))
+                    pos += 1
+                self.compute[s].append((tile, cycles))
+                lane = load[s].index(min(load[s]))
+                load[s][lane] += cycles
+                self.lanes[s][lane].extend(calls)
+
+    def execute(self, step: int, pool=None) -> list[tuple[int, int, str, int]]:
+        """Run one step's vertices (the lanes after the first on ``pool``, if given); the (place
+        in the step, tile, kernel, return code) of those that failed, in program order."""
+        first, *rest = self.lanes[step]
+        pending = [pool.submit(_call, lane) for lane in rest if lane] if pool else []
+        failed = _call(first) + [f for lane in rest if not pool for f in _call(lane)]
+        for p in pending:
+            failed += p.result()
+        return sorted(failed)
+
+
+def _call(calls) -> list[tuple[int, int, str, int]]:
+    return [(seq, tile, kname, rc) for fn, mem, args, seq, tile, kname in calls if (rc := fn(mem, args)) != 0]
+
+
+def threads() -> int:
+    """Threads that run vertices: ``$IPUBUILD_SIMULATOR_THREADS``, else 2 (or 1 on a one-CPU
+    machine). The results do not depend on it: each tile's vertices run in order on one thread."""
+    value = os.environ.get("IPUBUILD_SIMULATOR_THREADS", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise UserError("IPUBUILD_SIMULATOR_THREADS", f"{value!r} is not a positive whole number")
+        return int(value)
+    return min(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _without_gc():
+    """No cyclic garbage collection while the run builds its (acyclic) tables: at scale it
+    holds millions of small objects, and each collection would walk them all."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _pool(plan):
+    lanes = len(plan.lanes[0]) if plan.lanes else 1
+    return ThreadPoolExecutor(lanes - 1) if lanes > 1 else contextlib.nullcontext()
 
 
 def _input_bytes(binding: dict, inputs: dict) -> np.ndarray:
@@ -166,23 +247,107 @@ def _input_bytes(binding: dict, inputs: dict) -> np.ndarray:
     return raw.view(np.uint8).reshape(-1)
 
 
+def unicast(entries) -> np.ndarray:
+    """Exchange entries, a broadcast ``[src_tile, src_addr, src_stride, dst_tile, dst_addr,
+    dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]`` as one row per
+    destination (the same source rows copied to each), as an ``[n, 8]`` array."""
+    return np.array([[*e[:3], d, a, st, e[6], e[7]] for e in entries
+                     for d, a, st in [e[3:6], *(e[i:i + 3] for i in range(8, len(e), 3))]],
+                    dtype=np.int64).reshape(-1, 8)
+
+
+def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
+    """Perform one exchange phase over ``memory`` (one row per loaded tile; ``row_of[tile]`` is
+    its row, -1 if it is not loaded): each entry ``[src_tile, src_addr, src_stride, dst_tile,
+    dst_addr, dst_stride, rows, row_bytes]`` copies ``rows`` rows of ``row_bytes`` bytes. All
+    reads happen before any write (the exchange is a phase, not a sequence of copies); two
+    entries that write the same byte make the package corrupt. A list may hold broadcasts
+    (``unicast``)."""
+    e = entries if isinstance(entries, np.ndarray) else unicast(entries)
+    if not len(e):
+        return
+    st, sa, ss, dt, da, ds, rows, rb = e.T
+    size = memory.shape[1]
+    ends = []
+    for tile, addr, stride in ((st, sa, ss), (dt, da, ds)):
+        known = (tile >= 0) & (tile < len(row_of))
+        row = np.where(known, row_of[np.where(known, tile, 0)], -1)
+        bad = (row < 0) | (addr < 0) | (addr + (rows - 1) * stride + rb > size)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise UserError("package", f"exchange entry to or from tile {int(tile[i])} address {int(addr[i])} "
+                            "is out of range: the package is corrupt")
+        ends.append(row * size + addr)
+    # one record per row copied: flat source and destination offsets, and its length
+    live = (rows > 0) & (rb > 0)
+    count = rows[live]
+    entry = np.repeat(np.flatnonzero(live), count)
+    r = np.arange(count.sum()) - np.repeat(np.cumsum(count) - count, count)
+    src = ends[0][entry] + r * ss[entry]
+    dst = ends[1][entry] + r * ds[entry]
+    length = rb[entry]
+    order = np.argsort(dst, kind="stable")
+    if np.any(dst[order][1:] < (dst + length)[order][:-1]):
+        raise UserError("package", "two exchange entries of one phase write the same bytes: "
+                        "the package is corrupt")
+    flat = memory.reshape(-1)
+    # rows whose offsets and length are multiples of 8 move as 8-byte words, the rest as bytes;
+    # the rows of one length n move as rows of a view whose row i is the n units from unit i
+    wide = ((src | dst | length) % 8 == 0) & (flat.size % 8 == 0)
+    moves = []
+    for sel, units in ((wide, flat.view(np.uint64) if flat.size % 8 == 0 else flat), (~wide, flat)):
+        if not sel.any():
+            continue
+        unit = units.itemsize
+        n_units, s_units, d_units = length[sel] // unit, src[sel] // unit, dst[sel] // unit
+        for n in np.unique(n_units).tolist():
+            rows_n = n_units == n
+            window = np.lib.stride_tricks.as_strided(units, (units.size - n + 1, n), (unit, unit))
+            moves.append((window, d_units[rows_n], window[s_units[rows_n]]))
+    for window, rows_at, data in moves:
+        window[rows_at] = data
+
+
+def _zeroed_memory(tiles: int, size: int) -> np.ndarray:
+    """``tiles`` rows of ``size`` zero bytes, in anonymous memory with ordinary pages: the pages a
+    package never touches (most of a tile's memory) cost nothing, where huge pages would have
+    every page zeroed by the kernel."""
+    if not tiles or not size:
+        return np.zeros((tiles, size), dtype=np.uint8)
+    region = mmap.mmap(-1, tiles * size)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        region.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(region, dtype=np.uint8).reshape(tiles, size)
+
+
+def _row(row_of: np.ndarray, tile: int, name: str) -> int:
+    if row_of[tile] < 0:
+        raise UserError("package", f"binding of {name} names tile {tile}, which has no image: "
+                        "the package is corrupt")
+    return int(row_of[tile])
+
+
 def _read(mem, where):
     addr, size = where
     return mem[addr:addr + size].tobytes()
 
 
-def _trace(steps, machine) -> list:
-    """Chrome trace events: one track per tile, one slice per compute and exchange phase (µs)."""
+def _trace(steps, compute, machine) -> list:
+    """Chrome trace events: one track per tile, one slice per compute and exchange phase (µs);
+    ``compute[s]`` is step s's (tile, cycles) in tile order."""
     us = 1e6 / machine["clock_hz"]
-    events, clock = [], 0
-    for s in steps:
+    events, clock, dur = [], 0, {}
+    for s, tiles in zip(steps, compute):
         if s["exchange"]:
             events.append({"name": f"exchange {s['name']}", "ph": "X", "pid": 0, "tid": 0,
                            "ts": round(clock * us, 3), "dur": round(s["exchange"] * us, 3)})
         start = clock + s["exchange"]
-        for tile, c in sorted(s["compute"].items(), key=lambda kv: int(kv[0])):
-            events.append({"name": s["name"], "ph": "X", "pid": 0, "tid": int(tile) + 1,
-                           "ts": round(start * us, 3), "dur": round(c * us, 3), "args": {"cycles": c}})
+        name, ts = s["name"], round(start * us, 3)
+        for tile, c in tiles:
+            if c not in dur:
+                dur[c] = round(c * us, 3)
+            events.append({"name": name, "ph": "X", "pid": 0, "tid": tile + 1, "ts": ts, "dur": dur[c],
+                           "args": {"cycles": c}})
         clock = start + s["slowest"] + s["sync"]
     return events
 

@@ -14,7 +14,6 @@ tile memory plan, and so every planning phase, untouched (as an incremental link
 """
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import re
 import shlex
@@ -25,8 +24,9 @@ import tempfile
 from pathlib import Path, PurePosixPath
 
 from .. import canonical
-from ..engine import MissingBlob, phase
+from ..engine import phase
 from ..errors import UserError
+from ..executors import run_phases
 from ..log import log
 
 KERNEL_DIR = Path(__file__).resolve().parent
@@ -226,21 +226,9 @@ def compile_kernels(ctx):
                                   "defines": [list(d) for d in kv.defines], "where": slot},
                        "compiler": compiler_cfg})
 
-    def run(name):
-        inputs, config = jobs[name]
-        return ctx.engine.run("compile_kernel", inputs, config)
-
-    workers = max(1, min(len(jobs), os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = {name: pool.submit(run, name) for name in sorted(jobs)}
-        results, failure = {}, None
-        for name, fut in futures.items():
-            try:
-                results[name] = fut.result()
-            except (UserError, MissingBlob) as exc:
-                failure = failure or exc
-    if failure is not None:
-        raise failure
+    names = sorted(jobs)        # compiled concurrently here, or on a cluster
+    results = dict(zip(names, run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names],
+                                         threads=os.cpu_count() or 1)))
     quantum = ctx.config["kernel_quantum"]
     objects, sizes, reserved, warnings = {}, {}, {}, {}
     for name, r in sorted(results.items()):

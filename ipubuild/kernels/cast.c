@@ -21,10 +21,16 @@
 
 static void convert(const uint8_t *src, uint8_t *dst, uint32_t n, int32_t scale)
 {
+    /* fp8 sources: the 256 decoded values, each computed as ipu_fp8_decode does */
+    float table[IPU_IS_FP8(SRC_TYPE) ? 256 : 1];
+    if (IPU_IS_FP8(SRC_TYPE))
+        for (unsigned code = 0; code < 256u; code++)
+            table[code] = ipu_fp8_decode((uint8_t)code, SRC_TYPE, scale);
+
     for (uint32_t i = 0; i < n; i++) {
         float v;
         if (IPU_IS_FP8(SRC_TYPE))
-            v = ipu_fp8_decode(src[i], SRC_TYPE, scale);
+            v = table[src[i]];
         else
             v = ipu_load_elem(src, i, SRC_TYPE);
 

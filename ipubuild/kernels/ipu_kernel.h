@@ -105,7 +105,7 @@ static inline float ipu_fp8_to_float(uint8_t code, int type)
     uint32_t e = (code >> mbits) & (0x7fu >> mbits);
     uint32_t m = code & ((1u << mbits) - 1u);
     if (e == 0) {
-        float v = ldexpf((float)m, 1 - bias - mbits); /* exact */
+        float v = (float)m * ipu_f32_from_bits((uint32_t)(127 + 1 - bias - mbits) << 23); /* exact */
         return sign ? -v : v;
     }
     return ipu_f32_from_bits(sign | ((e - (uint32_t)bias + 127u) << 23) | (m << (23 - mbits)));
@@ -147,10 +147,41 @@ static inline float ipu_fp8_decode(uint8_t code, int type, int32_t scale_exp)
     return (float)ldexp((double)ipu_fp8_to_float(code, type), -scale_exp);
 }
 
-/* Encode with scale: saturating_cast(x * 2^scale_exp) (scaling exact in double). */
+/* Encode with scale: saturating_cast(x * 2^scale_exp) (scaling exact in double).
+ * Normal, zero, infinite and NaN x with |scale_exp| <= 1000 take a path on x's
+ * bits that gives the same code as ipu_double_to_fp8(ldexp(x, scale_exp)): the
+ * significand is x's 24 bits instead of the double's 53 (the 29 low zero bits
+ * change no rounding) and the saturation test compares exponent and
+ * significand with those of the format's max. Subnormal x and larger scales
+ * go through the double. */
 static inline uint8_t ipu_fp8_encode(float x, int type, int32_t scale_exp)
 {
-    return ipu_double_to_fp8(ldexp((double)x, scale_exp), type);
+    const int mbits = IPU_FP8_MBITS(type), bias = IPU_FP8_BIAS(type);
+    const uint32_t maxbits = ipu_bits_from_f32((float)IPU_FP8_MAX(type));
+    const int emax = (int)(maxbits >> 23) - 127;
+    const uint32_t sigmax = (maxbits & 0x7fffffu) | 0x800000u;
+    const uint32_t u = ipu_bits_from_f32(x), a = u & 0x7fffffffu;
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+
+    if (a > 0x7f800000u)
+        return 0x80u; /* NaN */
+    if (a == 0)
+        return 0;
+    if (a < 0x00800000u || scale_exp > 1000 || scale_exp < -1000)
+        return ipu_double_to_fp8(ldexp((double)x, scale_exp), type);
+    if (a == 0x7f800000u)
+        return (uint8_t)(sign | 0x7fu);
+    const int e = (int)(a >> 23) - 127 + scale_exp; /* |x| 2^s = sig * 2^(e-23) */
+    const uint32_t sig = (a & 0x7fffffu) | 0x800000u;
+    if (e > emax || (e == emax && sig >= sigmax))
+        return (uint8_t)(sign | 0x7fu); /* saturate */
+    const int emin = 1 - bias;
+    const int eq = e > emin ? e : emin;
+    const int shift = eq - mbits - e + 23; /* >= 23 - mbits */
+    if (shift >= 25)
+        return 0; /* below half the smallest subnormal */
+    const uint32_t code = ((uint32_t)(eq + bias - 1) << mbits) + (uint32_t)ipu_rne_shift(sig, (unsigned)shift);
+    return code == 0 ? 0 : (uint8_t)(sign | code);
 }
 
 /* Load element i of an array of the given type as an (unscaled) float. */
@@ -162,5 +193,33 @@ static inline float ipu_load_elem(const uint8_t *base, uint32_t i, int type)
         return ipu_f16_to_float(ipu_ld_u16(base + 2u * (uint64_t)i));
     return ipu_fp8_to_float(base[i], type);
 }
+
+/* ---- block decoding and vectors ----------------------------------------- */
+
+/* Loads elements of one type as (unscaled) floats; fp8 through a table of the
+ * 256 codes, so each element costs one lookup. */
+typedef struct {
+    int type;
+    float fp8[256];
+} ipu_decoder;
+
+static inline void ipu_decoder_init(ipu_decoder *d, int type)
+{
+    d->type = type;
+    if (IPU_IS_FP8(type))
+        for (unsigned code = 0; code < 256u; code++)
+            d->fp8[code] = ipu_fp8_to_float((uint8_t)code, type);
+}
+
+static inline float ipu_decode(const ipu_decoder *d, const uint8_t *base, size_t i)
+{
+    if (IPU_IS_FP8(d->type))
+        return d->fp8[base[i]];
+    return ipu_load_elem(base, (uint32_t)i, d->type);
+}
+
+/* Four f32 lanes (GCC/Clang vector extension): lane-wise IEEE operations, the
+ * same roundings as the scalar ones. */
+typedef float ipu_f32x4 __attribute__((vector_size(16)));
 
 #endif /* IPU_KERNEL_H */

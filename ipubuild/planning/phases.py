@@ -14,6 +14,7 @@ import numpy as np
 from .. import tensors
 from ..artifacts import graph_of, machine_of, params_of, to_json as _json
 from ..engine import phase
+from ..executors import run_phases
 from ..log import log
 from . import codegen, exchange, storage as mem
 from .cost import program_cost
@@ -37,16 +38,7 @@ def compile_runtime(ctx):
                               "tile_count": ctx.config["target"]["tile_count"]})}
 
 
-# planning --------------------------------------------------------------------------------------
-@phase("plan_package", inputs=("graph", "machine", "runtime", "reservations"), outputs=("layout", "search"),
-       config=("name", "path", "target.tile_count", "search"), hooks=OPS + ("ipubuild_search_heuristics",))
-def plan_package(ctx):
-    """The searched layout, and the search's convergence (``search``: initial cycles, accepted steps)."""
-    from ..search import search_layout
-    layout, summary = search_layout(ctx, graph_of(ctx))
-    return {"layout": _json(layout), "search": _json(summary)}
-
-
+# planning (plan_package, the search's phase, is in search.py) -----------------------------------
 def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     """An upper bound of each tile's generated code before exchanges are scheduled. Its
     exchange table: per step, the larger of the two tables the step's schedule may keep (its
@@ -315,9 +307,10 @@ def build_tile_images(ctx):
     cache hit, so a kernel edit rebuilds only the images of the tiles that run it."""
     code, data, kernels = (ctx.family(n) for n in ("tile_code", "tile_data", "tile_kernels"))
     images, built = {}, 0
-    for tile in sorted(code, key=int):
-        r = ctx.engine.run("build_tile_image", {"tile_code": code[tile], "tile_data": data[tile],
-                                                 "tile_kernels": kernels[tile]}, {})
+    tiles = sorted(code, key=int)
+    calls = [("build_tile_image", {"tile_code": code[t], "tile_data": data[t], "tile_kernels": kernels[t]}, {})
+             for t in tiles]
+    for tile, r in zip(tiles, run_phases(ctx.engine, calls)):     # here, or on a cluster
         images[tile] = r.outputs["image"]
         built += not r.hit
     images["idle"] = ctx.engine.run("build_idle_image", {}, {}).outputs["image"]

@@ -33,14 +33,22 @@ class Blocks:
     def __init__(self):
         self.items: list = []
         self._exact: dict = {}
-        self._arr = self._tiles = None
+        self._arr = self._tiles = self._grid = self._keys = None
         self._memo: dict = {}
 
     def add(self, tile, buf, blk) -> None:
         blk = tuple(blk)
         self.items.append((tile, buf, blk))
         self._exact.setdefault((tile, blk), buf)
-        self._arr = self._tiles = None
+        self._arr = self._tiles = self._grid = self._keys = None
+        self._memo = {}
+
+    def extend(self, tile_blocks, buf) -> None:
+        """``add(tile, buf, blk)`` for each ``(tile, blk)``."""
+        for tile, blk in tile_blocks:
+            self.items.append((tile, buf, blk))
+            self._exact.setdefault((tile, blk), buf)
+        self._arr = self._tiles = self._grid = self._keys = None
         self._memo = {}
 
     def exact(self, tile, blk):
@@ -48,8 +56,10 @@ class Blocks:
 
     def keys(self) -> np.ndarray:
         """``row_keys`` of each stored ``(tile, r0, r1, c0, c1)``."""
-        tiles, blks = self.arrays()
-        return row_keys(np.concatenate([tiles[:, None], blks], axis=1))
+        if self._keys is None:
+            tiles, blks = self.arrays()
+            self._keys = row_keys(np.concatenate([tiles[:, None], blks], axis=1))
+        return self._keys
 
     def arrays(self) -> tuple:
         """(tiles, blocks): the stored blocks as arrays ``[n]`` and ``[n, 4]``."""
@@ -58,6 +68,27 @@ class Blocks:
         if getattr(self, "_tiles", None) is None or len(self._tiles) != len(self.items):
             self._tiles = np.array([t for t, _, _ in self.items], dtype=np.int64)
         return self._tiles, self._arr
+
+    def pairs(self, reads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(read index, stored index) of every stored block overlapping a read block (rows of
+        ``reads``: ``[r0, r1, c0, c1]``). Stored blocks that form a grid (row intervals that
+        do not overlap, nor do column intervals; replicas allowed) are looked up by binary
+        search on the grid's bands; others against every stored block."""
+        _, a = self.arrays()
+        if self._grid is None:
+            self._grid = _grid_of(a)
+        if self._grid is False:
+            hit = ((a[None, :, 0] < reads[:, None, 1]) & (a[None, :, 1] > reads[:, None, 0])
+                   & (a[None, :, 2] < reads[:, None, 3]) & (a[None, :, 3] > reads[:, None, 2]))
+            return np.nonzero(hit)
+        rows, cols, starts, members = self._grid
+        i0, i1 = np.searchsorted(rows[:, 1], reads[:, 0], "right"), np.searchsorted(rows[:, 0], reads[:, 1], "left")
+        j0, j1 = np.searchsorted(cols[:, 1], reads[:, 2], "right"), np.searchsorted(cols[:, 0], reads[:, 3], "left")
+        ni, nj = np.maximum(i1 - i0, 0), np.maximum(j1 - j0, 0)
+        ri, q = _expand(ni * nj)
+        cell = (i0[ri] + q // nj[ri]) * len(cols) + j0[ri] + q % nj[ri]
+        ci, k = _expand(starts[cell + 1] - starts[cell])
+        return ri[ci], members[starts[cell[ci]] + k]
 
     def overlapping(self, blk) -> list:
         """``[(tile, buf, stored block, intersection)]`` for stored blocks overlapping ``blk``."""
@@ -82,6 +113,33 @@ class Blocks:
             if ir0 < ir1 and ic0 < ic1:
                 out.append((tile, buf, (sr0, sr1, sc0, sc1), (ir0, ir1, ic0, ic1)))
         return out
+
+
+def _grid_of(blocks: np.ndarray):
+    """``(row bands, column bands, cell starts, stored indices by cell)`` if ``blocks`` (rows
+    ``[r0, r1, c0, c1]``) lie on a grid of bands that do not overlap, else False."""
+    bands = []
+    span = int(blocks.max(initial=0)) + 1
+    for lo, hi in ((0, 1), (2, 3)):
+        k = np.unique(blocks[:, lo] * span + blocks[:, hi])     # the distinct intervals, sorted
+        b = np.stack([k // span, k % span], axis=1)
+        if len(b) > 1 and (b[1:, 0] < b[:-1, 1]).any():
+            return False
+        bands.append(b)
+    rows, cols = bands
+    i = np.searchsorted(rows[:, 0], blocks[:, 0])
+    j = np.searchsorted(cols[:, 0], blocks[:, 2])
+    cell = i * len(cols) + j
+    members = np.argsort(cell, kind="stable")
+    starts = np.searchsorted(cell[members], np.arange(len(rows) * len(cols) + 1))
+    return rows, cols, starts, members
+
+
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``counts[i]`` items of each ``i``: each item's ``i`` and its index among them."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    return owner, np.arange(len(owner)) - first[owner]
 
 
 def default_layout(graph: Graph, tile_count: int) -> dict:
