@@ -61,6 +61,7 @@ class Estimator:
         self._isz.update({f"v{v}": val.itemsize for v, val in graph.values.items()})
         self._terms, self._writes, self._work, self._footprints = {}, {}, {}, {}
         self.kernel_index: dict[str, int] = {}           # kernel name -> row of Loads.kernels
+        self.computed = 0                                  # terms computed (not found cached)
 
     def resolve(self, layout: dict) -> dict:
         return self.resolver.resolve(layout)
@@ -165,6 +166,7 @@ class Estimator:
         res = resolved or self.resolve(layout)
         key = (op.id, res[op.id], tuple((p, res[p]) for p in self._producers[op.id]))
         if key not in self._terms:
+            self.computed += 1
             try:
                 self._terms[key] = self._compute(op, res)
             except ValueError:

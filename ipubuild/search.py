@@ -2,8 +2,9 @@
 
 A layout chooses, for every operation, a plan (how it splits over tiles) and a tile offset (where
 its tile set starts). Starting from the heuristics' initial layout, each round asks the search
-heuristics (plugins) for changes to the incumbent, screens them with a cheap estimate
-(``invalid``, ``visited``, ``not_cheaper``, ``deduplicated``, ``truncated``, ``shortlisted``),
+heuristics (plugins) for changes to the incumbent, screens them with a cheap estimate, the
+costliest operations' first, within a budget (``invalid``, ``visited``, ``not_cheaper``,
+``deduplicated``, ``truncated``, ``shortlisted``, ``unscreened``),
 evaluates the shortlist exactly (the compiler's own phases up to the costed, placed program,
 through the shared cache, in worker processes) and accepts the best improvement. The state is
 saved after every attempt; a re-run validates the saved incumbent and resumes. Only the winner
@@ -215,8 +216,8 @@ def heuristics() -> list[Heuristic]:
 #: its producer (``unfollowable``), or a tile's constants or code exceed their caps (``over_memory``)
 INVALID_REASONS = ("inexpressible", "out_of_range", "unchanged", "unfollowable", "over_memory")
 #: what the search counts of each heuristic's proposals (the round's log lines and the state)
-HEURISTIC_COUNTS = ("proposed", *INVALID_REASONS, "fit", "visited", "deduplicated", "cheaper", "shortlisted",
-                    "evaluated", "improved", "accepted")
+HEURISTIC_COUNTS = ("proposed", "unscreened", *INVALID_REASONS, "fit", "visited", "deduplicated", "cheaper",
+                    "shortlisted", "evaluated", "improved", "accepted")
 #: the keys of the round's log lines, which a heuristic's name cannot be
 RESERVED_NAMES = ("round", "invalid", "not_cheaper", "truncated", *HEURISTIC_COUNTS)
 
@@ -396,6 +397,12 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
         pool.close()
 
 
+def _weight(ch: Changes, baseline: Baseline) -> int:
+    """The incumbent's estimate of the costliest operation a change touches."""
+    terms = baseline.terms
+    return max((terms[op].cycles for op, _ in (*ch.plans, *ch.boundaries) if terms.get(op) is not None), default=0)
+
+
 def mapping_candidates(layout: dict, tile_count: int) -> list[dict]:
     """Whole-program tile mappings: operation i starts at tile (i * stride) mod tile_count."""
     out = []
@@ -436,13 +443,18 @@ def _proposals(h: Heuristic, layout, sc) -> list:
     return list(out)
 
 
+#: operation estimates (each scaled by the tiles it spans, 64 being 1) a round's screening may
+#: compute afresh: never reached on vit_fp8; on ViT-B/16's 1472 tiles, about 1000
+SCREEN_BUDGET = 1_500_000 // 64
+
+
 @dataclasses.dataclass
 class Screening:
     """A round's proposals screened: ``counts`` (each proposal counted once: ``invalid``,
-    ``visited``, ``not_cheaper``, ``deduplicated``, ``truncated``, ``shortlisted``), the
-    invalid ones by reason (INVALID_REASONS), each heuristic's counts (HEURISTIC_COUNTS; the
-    search adds ``evaluated``, ``improved`` and ``accepted``) and the shortlist ``[(proposal id,
-    layout, changes, heuristic)]``, the cheapest estimate first."""
+    ``visited``, ``not_cheaper``, ``deduplicated``, ``truncated``, ``shortlisted``,
+    ``unscreened``), the invalid ones by reason (INVALID_REASONS), each heuristic's counts
+    (HEURISTIC_COUNTS; the search adds ``evaluated``, ``improved`` and ``accepted``) and the
+    shortlist ``[(proposal id, layout, changes, heuristic)]``, the cheapest estimate first."""
     counts: dict
     invalid: dict
     heuristics: dict
@@ -453,19 +465,33 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
     """Screen ``[(heuristic name, Changes), ...]`` (in the heuristics' order): drop the invalid
     ones (by reason), those already evaluated (``visited``: layout digests) and repeats, estimate
     the rest, keep the ``shortlist_size`` cheapest that the estimate finds cheaper than the
-    incumbent (ties: the earlier proposal). A proposal's id is ``<heuristic>#<index>``: its
-    index in the list its heuristic returned this round. A layout proposed again counts as
-    ``deduplicated`` for the heuristic that repeated it. ``heuristics`` names heuristics to
-    count even if they proposed nothing."""
-    counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0)
+    incumbent (ties: the earlier proposal). Proposals are screened in order of the estimated
+    cost of the operations they change, costliest first, until SCREEN_BUDGET is spent; the rest
+    count as ``unscreened``. A proposal's id is ``<heuristic>#<index>``: its index in the list
+    its heuristic returned this round. Of proposals giving one layout, the earliest speaks for
+    it; the others count as ``deduplicated`` (for their heuristics). ``heuristics`` names
+    heuristics to count even if they proposed nothing."""
+    counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0, unscreened=0)
     invalid = dict.fromkeys(INVALID_REASONS, 0)
     per: dict[str, dict] = {name: dict.fromkeys(HEURISTIC_COUNTS, 0) for name in heuristics}
-    baseline = Baseline(sc.estimator, incumbent)
-    seen, cheaper = set(), []
-    for order, (name, ch) in enumerate(proposals):
+    ids = []
+    for order, (name, _) in enumerate(proposals):
         c = per.setdefault(name, dict.fromkeys(HEURISTIC_COUNTS, 0))
-        pid = f"{name}#{c['proposed']}" if name else order
+        ids.append(f"{name}#{c['proposed']}" if name else order)
         c["proposed"] += 1
+    est = sc.estimator
+    baseline = Baseline(est, incumbent)
+    first, cheaper = {}, {}     # layout digest -> (order, heuristic) of its speaker; -> its shortlist entry
+    budget = est.computed + SCREEN_BUDGET * 64 // max(64, sc.tile_count)
+    ranked = sorted(range(len(proposals)), key=lambda i: (-_weight(proposals[i][1], baseline), i))
+    for n, order in enumerate(ranked):
+        if est.computed >= budget:
+            counts["unscreened"] = len(ranked) - n
+            for i in ranked[n:]:
+                per[proposals[i][0]]["unscreened"] += 1
+            break
+        name, ch = proposals[order]
+        c = per[name]
         layout, reason = ch._applied(incumbent, sc.plans, sc.tile_count)
         if reason is None:
             e, fits = baseline.compare(layout)
@@ -482,18 +508,27 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
             counts["visited"] += 1
             c["visited"] += 1
             continue
-        if d in seen:
+        if d in first:
             counts["deduplicated"] += 1
-            c["deduplicated"] += 1
+            spoke, speaker = first[d]
+            if order > spoke:
+                c["deduplicated"] += 1
+                continue
+            # screened later but proposed earlier: this proposal speaks for the layout
+            first[d] = (order, name)
+            per[speaker]["deduplicated"] += 1
+            if d in cheaper:
+                per[speaker]["cheaper"] -= 1
+                c["cheaper"] += 1
+                cheaper[d] = (e, order, ids[order], layout, ch, name)
             continue
-        seen.add(d)
+        first[d] = (order, name)
         if e >= baseline.total:
             counts["not_cheaper"] += 1
             continue
         c["cheaper"] += 1
-        cheaper.append((e, order, pid, layout, ch, name))
-    cheaper.sort(key=lambda t: (t[0], t[1]))
-    short = cheaper[:shortlist_size]
+        cheaper[d] = (e, order, ids[order], layout, ch, name)
+    short = sorted(cheaper.values(), key=lambda t: (t[0], t[1]))[:shortlist_size]
     for *_, name in short:
         per[name]["shortlisted"] += 1
     counts["truncated"] = len(cheaper) - len(short)
@@ -510,12 +545,15 @@ def screen(proposals, incumbent, sc, visited, shortlist_size):
 
 
 def _by_heuristic(per: dict, keys) -> dict:
-    """Log fields, one per heuristic: ``<name>="proposed=N fit=N …"`` (after ``fit``, the reasons
-    of its invalid proposals that occurred)."""
+    """Log fields, one per heuristic: ``<name>="proposed=N fit=N …"`` (after ``fit``, those of
+    ``unscreened`` and the invalid reasons that are not 0)."""
     def fields(c):
-        shown = [k for k in keys if k != "fit"] if "fit" not in keys else \
-            [*keys[:keys.index("fit") + 1], *(r for r in INVALID_REASONS if c[r]), *keys[keys.index("fit") + 1:]]
-        return '"' + " ".join(f"{k}={c[k]}" for k in shown) + '"'
+        if "fit" in keys:
+            at = keys.index("fit") + 1
+            keys_c = [*keys[:at], *(k for k in ("unscreened", *INVALID_REASONS) if c[k]), *keys[at:]]
+        else:
+            keys_c = keys
+        return '"' + " ".join(f"{k}={c[k]}" for k in keys_c) + '"'
     return {name: fields(c) for name, c in per.items() if name}
 
 

@@ -179,13 +179,72 @@ def test_screening_counts_each_heuristic_and_each_reason():
         == {"proposed": 4, "inexpressible": 1, "out_of_range": 1, "unchanged": 1, "fit": 1}
     for name, c in s.heuristics.items():
         assert set(c) == set(HEURISTIC_COUNTS)
-        assert c["proposed"] == c["fit"] + sum(c[r] for r in INVALID_REASONS), name
+        assert c["proposed"] == c["unscreened"] + c["fit"] + sum(c[r] for r in INVALID_REASONS), name
         assert c["fit"] >= c["visited"] + c["deduplicated"] + c["cheaper"] and c["cheaper"] >= c["shortlisted"]
     assert sum(c["proposed"] for c in s.heuristics.values()) == len(proposals)
     assert sum(c["shortlisted"] for c in s.heuristics.values()) == s.counts["shortlisted"] == len(s.shortlist)
     for pid, lay, ch, name in s.shortlist:
         h, _, i = pid.partition("#")
         assert h == name and [c for n, c in proposals if n == name][int(i)] is ch
+
+
+def test_screening_beyond_its_budget_counts_each_heuristics_unscreened_proposals(monkeypatch):
+    import collections
+
+    from ipubuild import search
+    from ipubuild.estimator import Baseline
+    sc = _vit_context()     # a fresh estimator: the budget counts the estimates it computes
+    layout = initial_layout(sc, heuristics())
+    found = heuristics()
+    proposals = [(h.name, ch) for h in found for ch in h.propose(layout, sc)]
+    weights = [search._weight(ch, Baseline(sc.estimator, layout)) for _, ch in proposals]
+    monkeypatch.setattr(search, "SCREEN_BUDGET", 5)
+    s = search.screen_round(proposals, layout, sc, {canonical.digest_of(layout)}, 3, [h.name for h in found])
+    n = s.counts["unscreened"]
+    assert 0 < n < len(proposals) and sum(s.counts.values()) == len(proposals)
+    # the costliest first: the proposals left are the last of that order, each counted for its heuristic
+    ranked = sorted(range(len(proposals)), key=lambda i: (-weights[i], i))
+    left = collections.Counter(proposals[i][0] for i in ranked[len(ranked) - n:])
+    assert {name: c["unscreened"] for name, c in s.heuristics.items() if c["unscreened"]} == dict(left)
+    for name, c in s.heuristics.items():
+        assert c["proposed"] == c["unscreened"] + c["fit"] + sum(c[r] for r in search.INVALID_REASONS), name
+    shown = search._by_heuristic(s.heuristics, ("proposed", "fit", "cheaper", "shortlisted"))
+    name = next(iter(left))
+    assert f" unscreened={left[name]} " in shown[name], shown[name]
+
+
+def test_the_earliest_proposal_of_a_layout_speaks_for_it_in_whatever_order_screening_takes():
+    from ipubuild.estimator import Baseline
+    from ipubuild.search import Changes, _weight, screen_round
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    base = Baseline(sc.estimator, layout)
+    costly = max(base.terms, key=lambda i: base.terms[i].cycles if base.terms[i] else -1)
+    cheaper = None
+    for h in heuristics():
+        for ch in h.propose(layout, sc):
+            if len(ch.plans) != 1 or ch.boundaries or ch.plans[0][0] == costly:
+                continue
+            changed = ch.apply(layout, sc.plans, sc.tile_count)
+            e, fits = base.compare(changed) if changed is not None else (None, False)
+            if fits and e < base.total:
+                cheaper = ch
+                break
+        if cheaper:
+            break
+    assert cheaper is not None, "no single re-plan the estimate finds cheaper"
+    # the same layout, through a change that also names the costliest operation (at its offset):
+    # screening takes it first
+    louder = Changes(plans=cheaper.plans, boundaries=((costly, layout["ops"][str(costly)]["offset"]),))
+    assert _weight(louder, base) > _weight(cheaper, base)
+    for first, second in (("quiet", cheaper), ("loud", louder)), (("loud", louder), ("quiet", cheaper)):
+        s = screen_round([first, second], layout, sc, set(), 3)
+        assert [(pid, name) for pid, _, _, name in s.shortlist] == [(f"{first[0]}#0", first[0])]
+        assert s.counts["deduplicated"] == 1 and s.counts["shortlisted"] == 1
+        assert {k: s.heuristics[first[0]][k] for k in ("fit", "cheaper", "deduplicated", "shortlisted")} == \
+            {"fit": 1, "cheaper": 1, "deduplicated": 0, "shortlisted": 1}
+        assert {k: s.heuristics[second[0]][k] for k in ("fit", "cheaper", "deduplicated", "shortlisted")} == \
+            {"fit": 1, "cheaper": 0, "deduplicated": 1, "shortlisted": 0}
 
 
 def test_heuristic_names_are_identifiers_and_unique(tmp_path, monkeypatch):

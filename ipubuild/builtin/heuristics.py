@@ -9,8 +9,9 @@ from ..search import Changes, Heuristic
 
 #: how many single re-plans one descent chains at most
 DESCENT_STEPS = 24
-#: how many changes one descent may estimate in all (vit_fp8's takes about 8000; on a large
-#: machine each estimate is slow, and the costliest operations are tried first)
+#: how many changes one descent may estimate in all on 64 tiles (vit_fp8's takes about 8000);
+#: an estimate's cost grows with the tiles, so the budget shrinks in proportion on larger
+#: machines (870 on 1472 tiles), and the costliest operations are tried first
 DESCENT_BUDGET = 20000
 
 
@@ -81,7 +82,7 @@ def descend(layout, sc):
     current = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
     chosen: dict[int, int] = {}
     out = []
-    budget = DESCENT_BUDGET
+    budget = DESCENT_BUDGET * 64 // max(64, sc.tile_count)
     for _ in range(DESCENT_STEPS):
         res = est.resolve(current)
         costliest = sorted(sc.graph.ops, key=lambda op: (-(est.term(op, current, res) or (0,))[0], op.id))
