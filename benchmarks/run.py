@@ -275,6 +275,7 @@ class Bench:
                 "cached_phases": sum(1 for p in phases if p["cached"] and p["own"]),
                 "uncached_phases": [p["task"] for p in phases if p["own"] and not p["cached"]],
                 "run_device_ms": _one(phase_ms(phases, "run_device")),
+                "measure_kernels_ms": _one(phase_ms(phases, "measure_kernels")),
                 "evaluate_reference_ms": _one(phase_ms(phases, "evaluate_reference")),
                 "plan_package_ms": _one(phase_ms(phases, "plan_package")),
                 "search": parse_search(log), "bounds": parse_bounds(log), "log": log_path.name}
@@ -334,8 +335,8 @@ def unexpected_tasks(kind: str, executed: list[str], target: str) -> list[str]:
             return task == f"compile_kernels:{target}"
         if kind == "kernel_edit":
             return task in {f"{p}:{target}" for p in ("compile_kernels", "link_kernels", "build_tile_images",
-                                                       "write_package", "run_device", "check_numerics",
-                                                       "report_profile")}
+                                                       "write_package", "run_device", "measure_kernels",
+                                                       "check_numerics", "report_profile")}
         return True
     return [t for t in executed if not ok(t)]
 
@@ -484,6 +485,7 @@ def assemble(info, args, repeats, scale_repeats, raw, floor, search, scale, tota
     builds = {k: summarize(_wall(v)) for k, v in raw.items()}
     kernel_cost = [ratio_sum(s["compiled_ms"], s["run_device_ms"]) for s in kedit]
     device = {"run_device_ms": summarize([s["run_device_ms"] for s in clean]),
+              "measure_kernels_ms": summarize([s.get("measure_kernels_ms") for s in clean]),
               "evaluate_reference_ms": summarize([s["evaluate_reference_ms"] for s in clean])}
     ratios = {
         "noop/clean": ratio_entry(_wall(noop), _wall(clean), "no-op rebuild wall / clean build wall"),

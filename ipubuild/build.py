@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .kernels import compiler, compiler_identity, kernel_sources
+from .kernels import COUNTER, compiler, compiler_identity, kernel_sources
 from .machine import MACHINES, load_machine
 from .operators import registry
 from .pipeline import Step
 
 # importing registers the phases (the kernels package, imported above, registers compile_kernels)
-from . import device, frontend, package, reference, report, search  # noqa: F401
+from . import device, frontend, kernel_profile, package, reference, report, search  # noqa: F401
 from .planning import phases  # noqa: F401
 
 
@@ -72,9 +72,9 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
              doc="build the model graph and place the FP8 casts"),
         step("compile_kernels", "compile_kernels", {"graph": a("graph")},
              {"objects": a("kernel_objects"), "code_sizes": a("kernel_code_sizes"),
-              "reservations": a("kernel_reservations")},
-             sources=sources, config=compile_cfg,
-             doc="compile the kernel variants the target uses (each one a cached action)"),
+              "reservations": a("kernel_reservations"), "counted_objects": a("kernel_counted_objects")},
+             sources={**sources, "counter": tree_path(COUNTER, root)}, config=compile_cfg,
+             doc="compile the kernel variants the target uses, and their counted builds (each one a cached action)"),
         step("compile_runtime", "compile_runtime", {"machine": machine}, {"runtime": a("runtime")}),
         step("plan_package", "plan_package", {"graph": a("graph"), "machine": machine, "runtime": a("runtime"),
                                               "reservations": a("kernel_reservations")},
@@ -121,13 +121,19 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
         step("run_device", "run_device", {"package": a("package"), "params": a("params"), "graph": a("graph")},
              {"device_run": a("device_run"), "profile": a("profile"), "trace": a("device_trace")},
              files={"profile": out / f"{t}.profile.json", "trace": out / f"{t}.device.trace.json"}),
+        step("measure_kernels", "measure_kernels",
+             {"package": a("package"), "params": a("params"), "graph": a("graph"),
+              "counted_objects": a("kernel_counted_objects")},
+             {"kernel_profile": a("kernel_profile")}, files={"kernel_profile": out / f"{t}.kernels.json"},
+             doc="count the basic blocks each kernel variant executes on the build's inputs"),
         step("check_numerics", "check_numerics", {"device_run": a("device_run"), "reference": a("reference"),
                                                   "float_reference": a("float_reference"),
                                                   "profile": a("profile"), "cost": a("cost")},
              {"verdict": a("verdict")}, files={"verdict": out / f"{t}.verdict.json"}),
         step("report_profile", "report_profile",
              {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),
-              "code_sizes": a("code_sizes"), "machine": machine, "search": a("search")},
+              "code_sizes": a("code_sizes"), "machine": machine, "search": a("search"),
+              "kernel_profile": a("kernel_profile")},
              {"report": a("report")}, files={"report": out / f"{t}.profile.html"},
              doc="draw the device profile as one HTML page"),
     ]

@@ -30,10 +30,16 @@ def inspect(root: Path, entry: dict):
 
 
 def profile(root: Path, entry: dict):
+    from .kernel_profile import profile_lines
     from .report import read_profile, top_steps_table
     t = entry["target"]
     path = root / "artifacts" / t / f"{t}.profile.json"
-    return _lines(lambda: top_steps_table(read_profile(path, t, shown=os.path.relpath(path, root))))
+
+    def lines():
+        yield from top_steps_table(read_profile(path, t, shown=os.path.relpath(path, root)))
+        yield ""
+        yield from profile_lines(root, t)
+    return _lines(lines)
 
 
 def explain(root: Path, entry: dict):

@@ -179,7 +179,7 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
 
 
 def report_data(name: str, device: str, profile: dict, cost: dict, program: dict, storage: dict,
-                code_sizes: dict, machine: dict, search: dict) -> dict:
+                code_sizes: dict, machine: dict, search: dict, kernel_profile: dict | None = None) -> dict:
     """Everything the report page shows (canonical JSON values only). Steps come from the device's
     profile; from the cost model (without per-tile compute) if the device reports only totals."""
     measured = has_steps(profile)
@@ -195,16 +195,18 @@ def report_data(name: str, device: str, profile: dict, cost: dict, program: dict
         "steps": step_series(steps), "heatmap": heatmap(steps), "memory": memory,
         "search": {"initial_cycles": search["initial_cycles"], "history": search["history"],
                    "heuristics": search.get("heuristics", {})},
-        "exchanges": top_exchanges(program)}
+        "exchanges": top_exchanges(program),
+        "kernels": kernel_profile or {"kernels": {}, "notes": [], "measure": ""}}
 
 
-@phase("report_profile", inputs=("profile", "cost", "program", "storage", "code_sizes", "machine", "search"),
+@phase("report_profile", inputs=("profile", "cost", "program", "storage", "code_sizes", "machine", "search",
+                                 "kernel_profile"),
        outputs=("report",), config=("name", "target.device"))
 def report_profile(ctx):
     """The profile as one self-contained HTML page (``<target>.profile.html``)."""
     data = report_data(ctx.config["name"], ctx.config["target"]["device"], ctx.json("profile"), ctx.json("cost"),
                        ctx.json("program"), ctx.json("storage"), ctx.json("code_sizes"), machine_of(ctx),
-                       ctx.json("search"))
+                       ctx.json("search"), ctx.json("kernel_profile"))
     return {"report": render(data).encode()}
 
 

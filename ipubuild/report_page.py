@@ -68,6 +68,32 @@ def _exchanges(d: dict) -> str:
     return _table(["rank", "step", "from tile", "to tile", "value", "bytes"], rows, {0, 2, 3, 5}, "exchange-table")
 
 
+def _kernels(d: dict) -> str:
+    kinds = d["kernels"]["kernels"]
+    rows = []
+    for name, k in sorted(kinds.items(), key=lambda kv: (-kv[1]["estimated_cycles"], kv[0])):
+        per = k["blocks_per_call"]
+        measured = k["blocks"] is not None
+        rows.append([name, _n(k["calls"]), _n(k["estimated_cycles"]), _n(k["estimated_cycles"] // max(1, k["calls"])),
+                     _n(k["blocks"]) if measured else "–",
+                     (_n(per[0]) if per[0] == per[1] else f"{_n(per[0])}–{_n(per[1])}") if measured else "–",
+                     f'{k["blocks"] / max(1, k["estimated_cycles"]):.2f}' if measured else "–"])
+    return _table(["kernel variant", "calls", "estimated cycles", "estimated per call", "basic blocks executed",
+                   "blocks per call", "blocks per estimated cycle"], rows, {1, 2, 3, 4, 5, 6}, "kernel-table")
+
+
+def _kernels_note(d: dict) -> str:
+    k = d["kernels"]
+    if not k["kernels"]:
+        return "No kernel figures: the build measured none."
+    parts = ["Per kernel variant: the cycles its estimator gives the cost model (which does not read the code), "
+             f"and what the compiled code did: {html.escape(k['measure'])}. The count is the same on every run, so a kernel "
+             "edit shows here after a rebuild that plans nothing again. Host time varies from run to run and is "
+             f'not on this page: <code>doit profile:{html.escape(d["target"])}</code> measures it.']
+    parts += [f"Note: {html.escape(n)}." for n in k["notes"]]
+    return " ".join(parts)
+
+
 def _heatmap_note(d: dict) -> str:
     h = d["heatmap"]
     if not h["tiles"]:
@@ -143,6 +169,8 @@ bytes that data and exchange buffers use at different times. Free: bytes no buff
 <div id="memory-legend" class="legend"></div>
 <div class="scroll tall"><canvas id="memory-canvas" width="10" height="10"></canvas></div>
 <h3>The {FULLEST_TILES} fullest tiles (bytes)</h3>{_fullest_tiles(d)}</section>
+<section id="kernels"><h2>Kernels: estimated and measured</h2>
+<p class="note">{_kernels_note(d)}</p>{_kernels(d)}</section>
 <section id="search"><h2>Search convergence</h2>
 <p class="note">{html.escape(_search_note(d))}</p>
 <div id="search-chart" class="chart"></div></section>

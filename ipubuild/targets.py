@@ -317,6 +317,12 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
                                doc="Largest absolute error to the reference accepted."),
         "blas_threads": Field(int, 1, min=1, max=256, doc="Threads for the reference BLAS."),
     },
+    "profile": {
+        "kernel_counts": Field(str, "auto", choices=["auto", "on", "off"],
+                               doc="Count the basic blocks each kernel variant executes (a second, counted "
+                                   "compile of every variant and a second run of the program on one thread); "
+                                   "'auto': on up to 256 tiles."),
+    },
     "search": {
         "rounds": Field(int, 3, min=0, max=1000, doc="Search rounds after the initial plan."),
         "shortlist": Field(int, 3, min=1, max=64, doc="Candidates measured per round."),
@@ -346,10 +352,10 @@ def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
     """Read, validate and resolve the target file at ``path``.
 
     Returns ``{"name": <file stem>, "path": str(path), "target": ..., "model": ..., "casts": ...,
-    "numerics": ..., "search": ...}`` with every default filled in. ``tile_count`` must be at most
-    ``max_tiles``. ``known`` optionally maps ``"device"``, ``"policy"``, ``"family"`` and
-    ``"passes"`` to the registered names; other values are then errors listing the known names
-    (any other key of ``known`` is a programming error: ValueError). Any problem raises
+    "numerics": ..., "profile": ..., "search": ...}`` with every default filled in. ``tile_count``
+    must be at most ``max_tiles``. ``known`` optionally maps ``"device"``, ``"policy"``,
+    ``"family"`` and ``"passes"`` to the registered names; other values are then errors listing
+    the known names (any other key of ``known`` is a programming error: ValueError). Any problem raises
     one single-line :class:`UserError` naming the file (and key). A relative ``path`` is read
     from ``root`` when given (and named as given, so messages and keys do not depend on where the
     tree lies); ``shown``, if given, names the file instead (a target a plugin ships).

@@ -166,7 +166,8 @@ def test_unexpected_tasks():
     assert bench.unexpected_tasks("noop", ["link_kernels:vit_fp8", "build:vit_fp8"], "vit_fp8") == \
         ["link_kernels:vit_fp8", "build:vit_fp8"]
     kernel = ["compile_kernels:vit_fp8", "link_kernels:vit_fp8", "build_tile_images:vit_fp8",
-              "write_package:vit_fp8", "run_device:vit_fp8", "plan_package:vit_fp8", "build:vit_fp8"]
+              "write_package:vit_fp8", "run_device:vit_fp8", "measure_kernels:vit_fp8", "plan_package:vit_fp8",
+              "build:vit_fp8"]
     assert bench.unexpected_tasks("kernel_edit", kernel, "vit_fp8") == ["plan_package:vit_fp8"]
     assert bench.unexpected_tasks("comment_edit", ["compile_kernels:vit_fp8", "link_kernels:vit_fp8"],
                                   "vit_fp8") == ["link_kernels:vit_fp8"]

@@ -205,8 +205,8 @@ def test_explain_after_a_kernel_comment_edit_names_the_file_and_the_early_cutoff
         assert re.search(r"^compile_kernels:small ran", out, re.M), out
         assert re.search(r"because source ipubuild/kernels/gelu\.c changed \([0-9a-f]{12} → [0-9a-f]{12}\)", out), out
         assert "it compiled kernel variant gelu_f32" in out
-        m = re.search(r"early cutoff: it gave identical bytes \(kernel_code_sizes, kernel_objects, "
-                      r"kernel_reservations\); (\d+) tasks downstream skipped", out)
+        m = re.search(r"early cutoff: it gave identical bytes \(kernel_code_sizes, kernel_counted_objects, "
+                      r"kernel_objects, kernel_reservations\); (\d+) tasks downstream skipped", out)
         assert m and int(m.group(1)) >= 15, out
     finally:
         gelu.write_text(text)

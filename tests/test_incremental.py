@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from buildtree import SMALL, copy_ipubuild, doit, env, make_tree
+from buildtree import PLANNING_TASKS, SMALL, copy_ipubuild, doit, env, make_tree
 
 NAME = "small"
 TEXT = SMALL.replace("rounds = 3", "rounds = 1")
@@ -107,17 +107,27 @@ def ran_nothing_of(prefix):
     return check
 
 
+def ran_no_planning(run):
+    assert not [t for t in run.executed if t.startswith(tuple(f"{p}:" for p in PLANNING_TASKS))], run.executed
+
+
+def ran_planning(run):
+    assert f"plan_package:{NAME}" in run.executed, run.executed
+    no_compile(run)
+
+
 def no_compile(run):
     """No kernel variant compiled (the compile task may run, to recompute reservations)."""
     assert "compiled kernel variant" not in run.output, run.tail()
 
 
 CHANGES = [
-    Change("kernel code edit", _edit("ipubuild/kernels/gelu.c", "0.044715f * v", "0.0447f * v")),
+    Change("kernel code edit", _edit("ipubuild/kernels/gelu.c", "0.044715f * v", "0.0447f * v"), ran_no_planning),
     Change("kernel edit, mtime restored", _edit("ipubuild/kernels/gelu.c", "0.044715f * v", "0.0447f * v",
                                                 keep_mtime=True)),
     Change("kernel comment edit", _append("ipubuild/kernels/matmul.c", "/* a comment */\n"),
            ran_only("compile_kernels:", "build:")),
+    Change("kernel estimator edit", _append("ipubuild/kernels/gelu_cycles.py", "\nPROBE = 3\n"), ran_planning),
     Change("kernel header edit", _append("ipubuild/kernels/ipu_kernel.h",
                                          "static inline int ipu_unused_probe(int x) { return x; }\n")),
     Change("CFLAGS change", _env(IPUBUILD_CFLAGS="-O1 -std=c11 -Wall -fPIC -shared")),

@@ -114,6 +114,14 @@ def test_the_page_carries_the_charts_data(built):
     sizes_top = [e["bytes"] for e in x["top"]]
     assert sizes_top == sorted(sizes_top, reverse=True) and sizes_top[0] > 0
     assert x["steps"][0]["bytes"] == max(x["bytes_per_step"])
+    # kernels: the measured kernel profile, a row per variant with its estimate and its count
+    kernels = _art(ws, "kernel_profile")
+    assert d["kernels"] == kernels and kernels["kernels"] and not kernels["notes"]
+    table = page[page.index('<table id="kernel-table">'):]
+    for name, k in kernels["kernels"].items():
+        assert k["blocks"] > 0 and k["calls"] > 0
+        assert f"<td>{name}</td><td class=num>{k['calls']:,}</td><td class=num>{k['estimated_cycles']:,}</td>" in table
+        assert f"<td class=num>{k['blocks']:,}</td>" in table
 
 
 def test_the_page_is_self_contained(built):
@@ -170,8 +178,19 @@ def test_doit_profile_prints_the_top_steps(built):
     assert run.returncode == 0, run.tail()
     profile = json.loads((tree / "artifacts" / NAME / f"{NAME}.profile.json").read_bytes())
     lines = [ln for ln in run.stdout.splitlines() if not ln.startswith(".  ")]
-    assert lines == top_steps_table(profile)
+    top = top_steps_table(profile)
+    assert lines[:len(top)] == top and lines[len(top)] == ""
     assert lines[0].split() == ["step", "exchange", "compute", "sync", "total", "share"]
+    # then the kernel table: the build's figures per kernel variant, and host time measured now
+    kernels = json.loads((tree / "artifacts" / NAME / f"{NAME}.kernels.json").read_bytes())["kernels"]
+    table = lines[len(top) + 1:]
+    assert table[0].split()[:5] == ["kernel", "calls", "estimated", "cycles", "basic"], table
+    rows = {ln.split()[0]: ln.split() for ln in table[1:1 + len(kernels)]}
+    assert sorted(rows) == sorted(kernels)
+    for name, k in kernels.items():
+        assert rows[name][1:4] == [str(k["calls"]), f"{k['estimated_cycles']:,}", f"{k['blocks']:,}"], rows[name]
+        assert rows[name][-1] == "µs" and float(rows[name][-2]) > 0, rows[name]
+    assert table[-1].startswith("host time: this machine"), table
 
 
 def test_doit_profile_of_an_unbuilt_target_is_one_line(tmp_path, built):
@@ -269,7 +288,8 @@ def _fake_data(h: dict) -> dict:
             "steps": {"names": [f"s{i}" for i in range(n)], "exchange": [1] * n, "compute": [1] * n, "sync": [1] * n},
             "heatmap": h, "memory": {"base": 0, "end": 16, "kinds": list(KINDS), "tiles": []},
             "search": {"initial_cycles": 10, "history": []},
-            "exchanges": {"total_bytes": 0, "bytes_per_step": [0] * n, "count": 0, "steps": [], "top": []}}
+            "exchanges": {"total_bytes": 0, "bytes_per_step": [0] * n, "count": 0, "steps": [], "top": []},
+            "kernels": {"kernels": {}, "notes": [], "measure": ""}}
 
 
 # --- in a real browser ---------------------------------------------------------------------------

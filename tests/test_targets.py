@@ -75,7 +75,8 @@ def test_real_target_loads(monkeypatch):
         "rounds": 3, "shortlist": 3, "workers": 2, "seconds": 120.0, "seed": 0, "proposals": 640,
     }
     assert isinstance(t["search"]["seconds"], float)
-    assert list(t) == ["name", "path", "target", "model", "casts", "numerics", "search"]
+    assert t["profile"] == {"kernel_counts": "auto"}
+    assert list(t) == ["name", "path", "target", "model", "casts", "numerics", "profile", "search"]
 
 
 def test_real_target_loads_with_known_names():
@@ -88,7 +89,7 @@ def test_dump_resolved_round_trips():
     blob = dump_resolved(t)
     assert isinstance(blob, bytes)
     back = tomllib.loads(blob.decode("utf-8"))
-    assert set(back) == {"target", "model", "casts", "numerics", "search"}
+    assert set(back) == {"target", "model", "casts", "numerics", "profile", "search"}
     for section in back:
         assert back[section] == t[section]
     assert dump_resolved(t) == blob  # deterministic
@@ -224,12 +225,14 @@ MALFORMED = [
     ("target-seed-negative", "bad.toml", _good_with("target", "seed = -1"),
      "target.seed", "expected an integer >= 0, got -1", None),
     ("unknown-section", "bad.toml", GOOD + "\n[serach]\nrounds = 3\n",
-     "serach", "unknown section 'serach' (did you mean 'search'?); known sections: target, model, casts, numerics, search", None),
+     "serach", "unknown section 'serach' (did you mean 'search'?); known sections: target, model, casts, numerics, profile, search", None),
     ("unknown-top-level-key", "bad.toml", "tiles = 4\n" + GOOD, "tiles", "unknown section 'tiles'", None),
     ("unknown-search-key", "bad.toml", _good_with("search", "round = 3"),
      "search.round", "unknown key 'round' (did you mean 'rounds'?); known keys: rounds, shortlist, workers, seconds, seed, proposals", None),
     ("unknown-quoted-key", "bad.toml", _good_with("search", '"a\\nb" = 3'),
      'search."a\\nb"', "unknown key 'a\\nb'", None),
+    ("kernel-counts-bad", "bad.toml", _good_with("profile", 'kernel_counts = "yes"'),
+     "profile.kernel_counts", "'yes'", None),
     ("min-cosine-too-big", "bad.toml", _good_with("numerics", "min_cosine = 1.5"),
      "numerics.min_cosine", "expected a number greater than 0 and at most 1, got 1.5", None),
     ("min-cosine-zero", "bad.toml", _good_with("numerics", "min_cosine = 0"),

@@ -32,6 +32,22 @@ from ..log import log
 KERNEL_DIR = Path(__file__).resolve().parent
 DEFAULT_CFLAGS = "-O2 -std=c11 -Wall -fPIC -shared"
 SOURCE_SUFFIXES = (".c", ".h")
+COUNTER = KERNEL_DIR / "counter" / "block_counter.c"
+COUNTER_NAME = "ipu_block_counter.c"     # its name beside the kernel source in the scratch folder
+COUNT_FLAGS = "-fsanitize-coverage=trace-pc"
+
+#: the largest tile count whose kernels ``[profile] kernel_counts = "auto"`` counts: counting
+#: compiles every variant twice and runs the program a second time on one thread (vit_fp8, 64
+#: tiles: 0.6 s; ViT-B/16 on 1472 tiles: 31 s, as long as its device run)
+AUTO_MAX_TILES = 256
+
+
+def counting(config: dict) -> bool:
+    """Whether a target (its resolved ``config``) counts its kernels' basic blocks."""
+    setting = config["profile"]["kernel_counts"]
+    return setting == "on" or (setting == "auto" and config["target"]["tile_count"] <= AUTO_MAX_TILES)
+
+
 
 
 def compiler() -> tuple[str, str]:
@@ -148,19 +164,20 @@ def reserve(code: int, quantum: int) -> int:
     return (code // quantum + 1) * quantum
 
 
-def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str, bytes],
-                   defines: list, cc: str, cflags: str, where: str) -> tuple[bytes, str]:
-    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure prints the
-    compiler's diagnostics and raises a one-line error naming the kernel."""
+def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: str, defines: list, cc: str,
+                 cflags: str, extra: tuple[str, ...] = ()) -> tuple[int, bytes, str]:
+    """Compile kernel ``name``'s source ``where`` (one of ``files``, ``{slot: bytes}``, with the
+    files ``extra`` names beside it) in a scratch folder: ``(return code, object, diagnostics)``,
+    no object on failure; a compiler that cannot run raises a one-line error."""
     with tempfile.TemporaryDirectory(prefix="ipubuild-cc-") as tmp:
         # the source and its headers at their slots' paths, so quoted includes resolve as beside
         # the real files; the compiler runs in the source's folder
-        for slot, data in {where: source, **headers}.items():
+        for slot, data in files.items():
             (Path(tmp) / slot).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / slot).write_bytes(data)
         cwd = (Path(tmp) / where).parent
         cmd = [*shlex.split(cc), *shlex.split(cflags), *[f"-D{k}={v}" for k, v in defines],
-               "-o", str(Path(tmp) / "kernel.so"), source_name, "-lm"]
+               "-o", str(Path(tmp) / "kernel.so"), source_name, *extra, "-lm"]
         try:
             proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
         except OSError as exc:
@@ -169,11 +186,20 @@ def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str
             raise UserError(f"kernel {name} ({where})", "the C compiler took more than 300 s; "
                             "check the source or IPUBUILD_CFLAGS") from None
         diagnostics = proc.stderr.replace(source_name, where)
-        if proc.returncode != 0:
-            log.diagnostics(diagnostics)
-            first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
-            raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
-        return (Path(tmp) / "kernel.so").read_bytes(), diagnostics
+        obj = (Path(tmp) / "kernel.so").read_bytes() if proc.returncode == 0 else b""
+        return proc.returncode, obj, diagnostics
+
+
+def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str, bytes],
+                   defines: list, cc: str, cflags: str, where: str) -> tuple[bytes, str]:
+    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure prints the
+    compiler's diagnostics and raises a one-line error naming the kernel."""
+    code, obj, diagnostics = run_compiler(name, source_name, {where: source, **headers}, where, defines, cc, cflags)
+    if code != 0:
+        log.diagnostics(diagnostics)
+        first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
+        raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
+    return obj, diagnostics
 
 
 @phase("compile_kernel", inputs=("source", "header/*"), outputs=("object", "code_size", "diagnostics"),
@@ -188,6 +214,25 @@ def compile_kernel_phase(ctx):
             "diagnostics": diagnostics.encode()}
 
 
+@phase("compile_counted_kernel", inputs=("source", "header/*", "counter"), outputs=("object", "note"),
+       config=("kernel", "compiler"))
+def compile_counted_kernel(ctx):
+    """One variant's counted build: compiled with ``COUNT_FLAGS`` and ``counter/block_counter.c``
+    (which counts the basic blocks it executes; see ``ipubuild.kernel_profile``). A compiler
+    without the flag gives no object and a one-line note instead of an error: the counts are an
+    extra, the build goes on without them."""
+    k, c = ctx.config["kernel"], ctx.config["compiler"]
+    files = {k["where"]: ctx.bytes("source"),
+             **{name: ctx.engine.fetch(d) for name, d in ctx.family("header").items()},
+             str(PurePosixPath(k["where"]).parent / COUNTER_NAME): ctx.bytes("counter")}
+    code, obj, diagnostics = run_compiler(k["name"], k["source_name"], files, k["where"], k["defines"], c["cc"],
+                                          f"{c['cflags']} {COUNT_FLAGS}", extra=(COUNTER_NAME,))
+    if code == 0:
+        return {"object": obj, "note": b""}
+    first = next((ln for ln in diagnostics.splitlines() if "error" in ln), f"exit status {code}").strip()
+    return {"object": b"", "note": f"{c['cc']} {COUNT_FLAGS} failed: {first}".encode()}
+
+
 def used_variants(graph, registry) -> list[str]:
     """The kernel variants some plan of some operation of ``graph`` may call."""
     names = set()
@@ -200,20 +245,14 @@ def used_variants(graph, registry) -> list[str]:
     return sorted(names)
 
 
-@phase("compile_kernels", inputs=("graph", "source/*"),
-       outputs=("objects", "code_sizes", "reservations", "diagnostics"),
-       config=("compiler", "kernel_quantum"), hooks=("ipubuild_operators",))
-def compile_kernels(ctx):
-    """Compile the kernel variants the target's graph can use; their objects (a family index),
-    exact code sizes, reservations (the only part planning reads) and the compiler's warnings
-    (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
-    comes from the cache: see ``ipubuild.tasks``)."""
+def compile_jobs(ctx) -> dict[str, tuple[dict, dict]]:
+    """``{variant: (inputs, config)}`` of a compile of each variant the graph can use, for a phase
+    with inputs ``graph`` and ``source/*`` and config ``compiler``."""
     from ..artifacts import graph_of
     from ..operators import registry
     reg = registry()
     slots = ctx.family("source")
     sources = {slot: ctx.engine.fetch(d) for slot, d in slots.items()}
-    compiler_cfg = ctx.config["compiler"]
     jobs = {}
     for name in used_variants(graph_of(ctx), reg):
         kv = reg.kernels[name]
@@ -224,14 +263,30 @@ def compile_kernels(ctx):
         jobs[name] = ({"source": slots[slot], **{f"header/{h}": slots[h] for h in included(slot, sources)}},
                       {"kernel": {"name": name, "source_name": PurePosixPath(slot).name,
                                   "defines": [list(d) for d in kv.defines], "where": slot},
-                       "compiler": compiler_cfg})
+                       "compiler": ctx.config["compiler"]})
+    return jobs
 
+
+@phase("compile_kernels", inputs=("graph", "source/*", "counter"),
+       outputs=("objects", "code_sizes", "reservations", "diagnostics", "counted_objects"),
+       config=("compiler", "kernel_quantum", "profile.kernel_counts", "target.tile_count"),
+       hooks=("ipubuild_operators",))
+def compile_kernels(ctx):
+    """Compile the kernel variants the target's graph can use; their objects (a family index),
+    exact code sizes, reservations (the only part planning reads) and the compiler's warnings
+    (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
+    comes from the cache: see ``ipubuild.tasks``); and each variant's counted build
+    (``{"objects": {variant: digest}, "notes": {variant: why it has none}}``), which only
+    ``measure_kernels`` reads (none when the target does not count them: ``counting``)."""
+    jobs = compile_jobs(ctx)
     names = sorted(jobs)        # compiled concurrently here, or on a cluster
-    results = dict(zip(names, run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names],
-                                         threads=os.cpu_count() or 1)))
+    counted_jobs = [("compile_counted_kernel", {**jobs[n][0], "counter": ctx.digest("counter")}, jobs[n][1])
+                    for n in names] if counting(ctx.config) else []
+    results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
+                         threads=os.cpu_count() or 1)
     quantum = ctx.config["kernel_quantum"]
     objects, sizes, reserved, warnings = {}, {}, {}, {}
-    for name, r in sorted(results.items()):
+    for name, r in zip(names, results):
         if not r.hit:
             log.info("compiled kernel variant", variant=name, elapsed_ms=r.elapsed_ms)
         diagnostics = ctx.engine.fetch(r.outputs["diagnostics"]).decode()
@@ -242,5 +297,13 @@ def compile_kernels(ctx):
         objects[name] = r.outputs["object"]
         sizes[name] = ctx.engine.decoded(r.outputs["code_size"])["code_bytes"]
         reserved[name] = reserve(sizes[name], quantum)
+    counted, notes = {}, {}
+    for name, r in zip(names, results[len(names):]):
+        note = ctx.engine.fetch(r.outputs["note"]).decode()
+        if note:
+            notes[name] = note
+        else:
+            counted[name] = r.outputs["object"]
     return {"objects": canonical.dumps(objects), "code_sizes": canonical.dumps(sizes),
-            "reservations": canonical.dumps(reserved), "diagnostics": canonical.dumps(warnings)}
+            "reservations": canonical.dumps(reserved), "diagnostics": canonical.dumps(warnings),
+            "counted_objects": canonical.dumps({"objects": counted, "notes": notes})}

@@ -1,0 +1,15 @@
+"""Cycle estimators of reduce.c (``args = [dst, n, count, …]``); see ``cycles.py`` for what
+editing this file re-runs."""
+from __future__ import annotations
+
+from .cycles import elementwise, folded_cast
+
+
+def reduce(args, machine):
+    """``n·(count-1)`` additions, a vector flop each."""
+    return elementwise(args[1] * (args[2] - 1), 1, 0, machine)
+
+
+def reduce_fp8(args, machine):
+    """``-DFP8_OUT``: the sum, and a cast folded in on its ``n`` outputs."""
+    return reduce(args, machine) + folded_cast(args[1], machine)
