@@ -62,7 +62,7 @@ _COSINE = re.compile(r"^referenceMinimumCosineSimilarity=(?P<v>\S+)", re.M)
 _VERDICT = re.compile(r"^referenceMaximumAbsoluteError=(?P<err>\S+) numericalTest=(?P<verdict>\w+)", re.M)
 _DEVICE = re.compile(r"deviceTest=(?P<v>\w+)")
 _COMPILED = re.compile(r"compiled kernel variant variant=(?P<variant>\S+) elapsed_ms=(?P<ms>\d+)")
-_CANDIDATE = re.compile(r"evaluated local candidate attempt=\d+ proposal=\d+ cycles=\S+ elapsed_ms=(?P<ms>\d+)")
+_CANDIDATE = re.compile(r"evaluated local candidate attempt=\d+ proposal=\S+ cycles=\S+ elapsed_ms=(?P<ms>\d+)")
 
 
 def _number(text: str):

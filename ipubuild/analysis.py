@@ -28,25 +28,33 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
     try:
         from . import build as b
         from .pipeline import Workspace
-        from .targets import discover, dump_resolved, load_target
+        from .targets import dump_resolved, find_targets, load_target
         ws = Workspace.at(root)
         pm = ws.plugins
         for name, _ in pm.list_name_plugin():
             watched += module_files(name)
+        found, clashes = find_targets(root, pm)
     except UserError as exc:   # a bad setting (cache, remote, plugin): every build: task fails with it
         from .targets import discover
         return {"tasks": [broken("build", name, str(exc)) for name in [p.stem for p in discover(root)] or ["all"]],
                 "watched": watched, "provisional": True}
-    tasks.append({"kind": "plugins", "doc": "list the loaded plugins, their versions and the hooks each implements"})
+    tasks.append({"kind": "plugins", "doc": "list the loaded plugins, their versions and what each registers"})
     cache_id = cache_identity(cache)
     known = _known_names(pm)
     memo = StatMemo(cache / "compilers.json")
     compiler_cfg, machines, provisional = None, set(), False
-    for path in discover(root):
-        rel = os.path.relpath(path, root)
-        watched.append(str(path))
+    for tf in found:
+        # a shipped target's file, and its folder (a hook may list what the folder holds)
+        watched += [str(tf.path)] + ([str(tf.path.parent)] if tf.plugin else [])
+        shipped = {"plugin": tf.plugin} if tf.plugin else {}
+        if tf.name in clashes:
+            tasks.append(dict(broken("build", tf.name, clashes[tf.name])))
+            continue
         try:
-            target = load_target(rel, known=known, root=root)
+            if tf.plugin:
+                target = load_target(tf.path, known=known, shown=tf.shown)
+            else:
+                target = load_target(os.path.relpath(tf.path, root), known=known, root=root)
             b.check_machine(target)
             if compiler_cfg is None:
                 compiler_cfg, cc_files = _compiler(b, memo, previous)
@@ -54,8 +62,10 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
                 provisional = not cc_files
             steps = b.target_steps(target, root, compiler_cfg)
         except UserError as exc:
-            # a target whose model family no installed plugin provides is skipped by bare `doit`
-            tasks.append(dict(broken("build", path.stem, str(exc)), skip=exc.where.endswith(": model.family")))
+            # a target whose model family or graph pass no installed plugin provides is skipped
+            # by bare `doit`
+            missing = exc.where.endswith(": model.family") or ": model.passes[" in exc.where
+            tasks.append(dict(broken("build", tf.name, str(exc)), skip=missing, **shipped))
             continue
         machine = target["target"]["machine"]
         if machine not in machines:
@@ -68,7 +78,8 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
         tasks.append({"kind": "build", "target": t, "path": target["path"], "device": target["target"]["device"],
                       "files": files, "file_dep": [str(ws.ref_path(a).relative_to(root)) for a, _ in files],
                       "verdict_file": str(out / f"{t}.verdict.json"), "profile_file": str(out / f"{t}.profile.json"),
-                      "package_file": str(out / f"{t}.ipuexe"), "resolved": dump_resolved(target).decode()})
+                      "package_file": str(out / f"{t}.ipuexe"), "resolved": dump_resolved(target).decode(),
+                      **shipped})
         tasks += [{"kind": kind, "target": t, "doc": doc.format(t)} for kind, doc in COMMANDS.items()]
     memo.save()
     return {"tasks": tasks, "groups": group_docs(tasks), "watched": watched, "provisional": provisional}
@@ -82,10 +93,15 @@ COMMANDS = {"explain": "why each task of the last build of {} ran, and where it 
 def group_docs(entries: list) -> dict:
     """What ``doit list`` says of each group of tasks: the targets (and the errors of broken ones)
     and the phases."""
-    ok = [e["target"] for e in entries if e["kind"] == "build"]
-    bad = [f"{e['name']} (error: {e['message']})" for e in entries if e["kind"] == "broken" and e["name"] != "all"]
-    docs = {"build": f"compile, package, run on the device and check a target (bare `doit`: all): "
-                     f"{', '.join(ok + bad)}"}
+    def named(plugin: bool) -> tuple[list, list]:      # (built, broken) of the tree's own or the shipped
+        mark = (lambda e: f" (from plugin {e['plugin']})") if plugin else (lambda e: "")
+        return ([e["target"] + mark(e) for e in entries if e["kind"] == "build" and bool(e.get("plugin")) == plugin],
+                [f"{e['name']}{mark(e)} (error: {e['message']})" for e in entries
+                 if e["kind"] == "broken" and e["name"] != "all" and bool(e.get("plugin")) == plugin])
+    (own_ok, own_bad), (shipped_ok, shipped_bad) = named(False), named(True)
+    ok = own_ok + shipped_ok
+    docs = {"build": f"compile, package, run on the device and check a target (bare `doit`: the tree's own): "
+                     f"{', '.join(own_ok + own_bad + shipped_ok + shipped_bad)}"}
     docs.update((kind, doc.format("a target") + f": {', '.join(ok)}") for kind, doc in COMMANDS.items())
     for e in entries:
         if e["kind"] == "step":
@@ -141,9 +157,10 @@ def _known_names(pm) -> dict | None:
     (None if a plugin fails here: its error then surfaces in the phase that calls it)."""
     from .device import backends
     from .frontend import cast_policies, model_families
+    from .passes import graph_passes
     try:
         return {"family": model_families(pm), "policy": sorted(cast_policies(pm)),
-                "device": sorted(backends())}
+                "device": sorted(backends()), "passes": sorted(graph_passes(pm))}
     except UserError:
         return None
 

@@ -48,6 +48,9 @@ def explain(root: Path, entry: dict):
 
 
 def plugins(root: Path, entry: dict):
+    """Each loaded plugin: its module, distribution and version, the hooks it implements, and
+    what it registers (operators, model families, cast policies, graph passes, search
+    heuristics, devices, cache backends, targets)."""
     from .plugins import get_plugin_manager
 
     def lines():
@@ -56,6 +59,8 @@ def plugins(root: Path, entry: dict):
             dist, version = pm.dists.get(name, (name, "0"))
             hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or [])
             yield f"{name}  {dist}=={version}  hooks: {', '.join(hooks)}"
+            for label, names in pm.registrations(name):
+                yield f"    {label}: {names}"
     return _lines(lines)
 
 

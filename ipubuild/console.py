@@ -101,7 +101,9 @@ class Reporter(ConsoleReporter):
     def initialize(self, tasks, selected_tasks):
         _active[0] = self
         settings["running"] = True
-        settings["chosen"] = set(selected_tasks or ())
+        # bare `doit` selects the default tasks: none of them is named on the command line
+        bare = list(selected_tasks or ()) == list(settings.get("defaults") or ())
+        settings["chosen"] = set() if bare else set(selected_tasks or ())
 
     def execute_task(self, task):
         settings["current"] = task.name

@@ -160,14 +160,14 @@ class Estimator:
             self._footprints[sig] = out
         return self._footprints[sig]
 
-    def term_key(self, op, resolved: dict) -> tuple:
+    def _term_key(self, op, resolved: dict) -> tuple:
         """What one operation's ``Term`` depends on: its resolved choice and its producers'."""
         return (op.id, resolved[op.id], tuple((p, resolved[p]) for p in self._producers[op.id]))
 
     def term(self, op, layout, resolved: dict | None = None) -> Term | None:
         """One operation's ``Term``, or None if its plan cannot follow its producer."""
         res = resolved or self.resolve(layout)
-        key = self.term_key(op, res)
+        key = self._term_key(op, res)
         if key not in self._terms:
             try:
                 self._terms[key] = self._compute(op, res)
@@ -381,7 +381,7 @@ class Baseline:
         if total is None:
             return None, False
         for i in touched:
-            self.asked.add(est.term_key(est.g.ops[i], res))
+            self.asked.add(est._term_key(est.g.ops[i], res))
             new = est.term(est.g.ops[i], layout, res)
             if new is None:
                 return None, False

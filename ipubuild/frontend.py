@@ -1,5 +1,6 @@
-"""Front ends: a model family's builder gives a float32 graph, its constants and inputs; the
-target's cast policy then places the FP8 casts. Both are plugins."""
+"""Front ends: a model family's builder gives a float32 graph, its constants and inputs; graph
+passes rewrite it; the target's cast policy then places the FP8 casts, and passes of the cast
+stage rewrite the result. All are plugins."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,10 +46,16 @@ def cast_policies(pm) -> dict:
     return pm.collect("ipubuild_cast_policies", callable, "a dict of policy names to callables", mapping=True)
 
 
+#: keys of ``[model]`` that are ipubuild's, not the family builder's
+MODEL_KEYS = ("family", "passes")
+
+
 def build_model(pm, target: dict) -> Model:
-    """Run the target's model builder and cast policy: the graph the compiler plans."""
+    """Run the target's model builder, the float stage's graph passes, the cast policy and the
+    cast stage's passes: the graph the compiler plans."""
+    from . import passes
     where = target.get("path", target.get("name", "target"))
-    params = {k: v for k, v in target["model"].items() if k != "family"}
+    params = {k: v for k, v in target["model"].items() if k not in MODEL_KEYS}
     family = target["model"]["family"]
     model = pm.call("ipubuild_build_model", family=family, params=params,
                     seed=target["target"]["seed"], where=where)
@@ -63,8 +70,10 @@ def build_model(pm, target: dict) -> Model:
     if name not in policies:
         raise UserError(f"{where}: casts.policy", f"unknown cast policy {name!r}; known: "
                         f"{', '.join(sorted(policies))}")
+    chosen = passes.selected(passes.graph_passes(pm), target["model"].get("passes", []), where)
     try:
         model.graph.validate()
+        passes.run(pm, model, chosen, "float", target)
         values = float_values(model.graph, model.constants, model.inputs)
         model.float_outputs = {v: values[v] for v in model.graph.outputs}
         _float_model.append((model.graph, model.constants, model.inputs, values))
@@ -74,6 +83,7 @@ def build_model(pm, target: dict) -> Model:
             _float_model.clear()
         model.graph.cast_storage = storage
         model.graph.validate()
+        passes.run(pm, model, chosen, "cast", target)
     except ValueError as exc:
         raise UserError(f"{where}: model", str(exc)) from None
     return model
@@ -81,11 +91,12 @@ def build_model(pm, target: dict) -> Model:
 
 @phase("lower_model", outputs=("graph", "params", "float_reference"),
        config=("name", "path", "target.seed", "model", "casts"),
-       hooks=("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies"))
+       hooks=("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies",
+              "ipubuild_graph_passes"))
 def lower_model(ctx):
     """The target's model as the FP8 graph the compiler plans, with its constants and inputs,
-    and the outputs of the float32 model before casts (the quantisation error is measured
-    against them)."""
+    and the outputs of the float32 model before casts (after the float stage's graph passes:
+    the quantisation error is measured against them)."""
     from .plugins import get_plugin_manager
     model = build_model(get_plugin_manager(), ctx.config)
     arrays = {f"v{k}": v for k, v in {**model.constants, **model.inputs}.items()}

@@ -7,7 +7,8 @@ A plugin is a module with functions named like the hooks below, decorated with
     rmsnorm = "ipubuild_rmsnorm.plugin"
 
 ipubuild's own features (the ViT front end, the operators and their C kernels, the cast
-policies, the search heuristics, the simulator device) are plugins registered the same way.
+policies, the graph passes, the search heuristics, the simulator device, the HTTP cache) are
+plugins registered the same way. ``docs/reference.md`` describes every type named here.
 A plugin's distribution name, version and code fingerprint enter the action keys of the phases
 that call its hooks, so installing, upgrading or editing it re-runs exactly those phases.
 
@@ -75,14 +76,44 @@ def ipubuild_cast_policies():
 
 
 @hookspec
+def ipubuild_graph_passes():
+    """Declare graph passes: named rewrites of a model's graph.
+
+    Return a list of :class:`ipubuild.passes.GraphPass`: ``name`` (unique across all plugins),
+    ``run(model, target)`` (rewrites the :class:`ipubuild.frontend.Model` in place), ``stage``
+    (``"float"``: the float32 graph before the cast policy; ``"cast"``: after it), ``order``
+    (within the stage, lower first) and ``default`` (True: every target runs it; False: only
+    targets listing it in ``[model] passes``). Called by the ``lower_model`` phase, whose action
+    key holds every implementer. All results are collected; a name declared twice is an error.
+    """
+
+
+@hookspec
+def ipubuild_targets():
+    """Ship build targets.
+
+    Return a list of paths to target files (``<name>.toml``, checked like the tree's own
+    ``targets/*.toml``). ``doit build:<name>`` finds them after the tree's own targets and
+    builds them into the tree's ``artifacts/<name>/``; bare ``doit`` builds only the tree's own.
+    A name the tree and a plugin (or two plugins) both give is an error naming both. Messages
+    and action keys name a shipped file by its path inside its package
+    (``ipubuild_rmsnorm/targets/vit_rms_small.toml``), so a build does not depend on where the
+    plugin is installed. Called when a tree's tasks are derived. All results are collected.
+    """
+
+
+@hookspec
 def ipubuild_search_heuristics():
     """Declare layout-search heuristics.
 
     Return a list of :class:`ipubuild.search.Heuristic`: each proposes layout changes
     (``propose(layout, context) -> list[Changes]``) to the incumbent in every local-search
-    round of ``plan_package``. Proposals are screened, deduplicated and costed by ipubuild, so
-    a heuristic may propose freely; it must be deterministic. All results are collected and run
-    in name order.
+    round of ``plan_package``, for every target. Proposals are screened, deduplicated and
+    costed by ipubuild, so a heuristic may propose freely; it must be deterministic, and should
+    propose only what concerns it (another target's search sees its proposals too). Its name
+    (an identifier) names its proposals (``<name>#<index>``) and its counts in the round's log
+    lines and the search state. All results are collected and run in name order; a name
+    declared twice is an error.
     """
 
 
@@ -91,14 +122,16 @@ def ipubuild_device_backends():
     """Declare device backends.
 
     Return ``{name: factory}``; ``factory()`` gives an object with ``run(package: bytes,
-    inputs: dict[str, numpy array], workdir: Path) -> ipubuild.device.DeviceRun``: the outputs by
-    name, a profile (JSON-able; ipubuild reads ``ok`` — every vertex succeeded —, ``tiles``,
-    ``samples`` and ``total_cycles``, and, if there, ``failures`` — up to 16 dicts, each with
-    ``kind`` ``"vertex"`` (``step``, ``name``, ``tile``, ``vertex``, ``kernel``, ``code``,
-    ``reason``) or ``"exchange"`` (``step``, ``name``, ``reason``) — and ``failure_count``) and
-    Chrome trace events. The backend should read the package with ``ipubuild.package.Package``
-    and own its device with ``ipubuild.device.device_ownership``. The target's ``[target]
-    device`` names the one used. All results are merged; a name declared twice is an error.
+    inputs: dict[str, numpy array], workdir: Path) -> ipubuild.device.DeviceRun``: ``package``
+    is the ``.ipuexe`` file's bytes (not its path), ``inputs`` the graph inputs by value name,
+    ``workdir`` a scratch folder removed afterwards. It returns the outputs by name, a profile
+    (JSON-able; ipubuild reads ``ok`` — every vertex succeeded —, ``tiles``, ``samples`` and
+    ``total_cycles``, and, if there, ``failures`` — up to 16 dicts, each with ``kind``
+    ``"vertex"`` (``step``, ``name``, ``tile``, ``vertex``, ``kernel``, ``code``, ``reason``) or
+    ``"exchange"`` (``step``, ``name``, ``reason``) — and ``failure_count``) and Chrome trace
+    events. The backend should read the package with ``ipubuild.package.Package`` and own its
+    device with ``ipubuild.device.device_ownership``. The target's ``[target] device`` names the
+    one used. Called by ``run_device``. All results are merged; a name declared twice is an error.
 
     A backend that can read back operations' outputs (for the per-operation comparison,
     ``[numerics] compare``) takes a keyword argument ``probes``: ``{step: [{"name", "dtype",

@@ -97,13 +97,22 @@ class Graph:
         return vid
 
     def add(self, type: str, inputs, name: str | None = None, **attrs) -> int:
-        """Append an operation whose output types its operator infers; returns the output id."""
+        """Append an operation whose output types its operator infers; returns the output id
+        (an operation's outputs are named ``<name>``, ``<name>.out1``, …)."""
+        return self.insert(len(self.ops), type, inputs, name, **attrs)
+
+    def insert(self, index: int, type: str, inputs, name: str | None = None, **attrs) -> int:
+        """Insert an operation at position ``index`` of ``ops`` (before the operation now
+        there), its output types inferred as ``add`` does; returns its first output's id. The
+        caller keeps the order topological: insert after the producers of ``inputs``."""
         from .operators import registry
-        op = Op(len(self.ops), type, name or f"{type}_{len(self.ops)}", list(inputs), [], attrs)
+        op = Op(index, type, name or f"{type}_{len(self.ops)}", list(inputs), [], attrs)
         out_types = registry().get(type, where=f"operation {op.name}").infer_types(self, op)
         for i, (shape, dtype, scale) in enumerate(out_types):
             op.outputs.append(self.value(f"{op.name}.out{i}" if i else op.name, shape, dtype, scale))
-        self.ops.append(op)
+        self.ops.insert(index, op)
+        if index != len(self.ops) - 1:
+            self.renumber()
         return op.outputs[0]
 
     def insert_before(self, index: int, op: Op) -> None:
@@ -113,6 +122,82 @@ class Graph:
     def renumber(self) -> None:
         for i, op in enumerate(self.ops):
             op.id = i
+
+    # rewriting (graph passes) ---------------------------------------------------------------
+    def replace_op(self, op: Op, type: str, inputs, **attrs) -> None:
+        """Make ``op`` an operation of ``type`` reading ``inputs`` with attributes ``attrs``, in
+        place: its outputs keep their ids and names, their types inferred again (call ``infer``
+        if that changed a dtype or shape others read). ValueError if ``type`` gives another
+        number of outputs."""
+        from .operators import registry
+        new = Op(op.id, type, op.name, list(inputs), list(op.outputs), dict(attrs))
+        types = registry().get(type, where=f"operation {op.name}").infer_types(self, new)
+        if len(types) != len(op.outputs):
+            raise ValueError(f"operation {op.name}: a {type} gives {len(types)} outputs, not {len(op.outputs)}")
+        op.type, op.inputs, op.attrs = type, new.inputs, new.attrs
+        for vid, (shape, dtype, scale) in zip(op.outputs, types):
+            v = self.values[vid]
+            v.shape, v.dtype, v.scale_exp = tuple(shape), dtype, scale
+
+    def replace_uses(self, old: int, new: int, skip=()) -> int:
+        """Make every operation that reads value ``old`` (but the operations in ``skip``) read
+        ``new`` instead, and a graph output ``old`` be ``new``; returns how many uses changed."""
+        skipped = {id(op) for op in skip}
+        changed = 0
+        for op in self.ops:
+            if id(op) in skipped:
+                continue
+            for i, v in enumerate(op.inputs):
+                if v == old:
+                    op.inputs[i] = new
+                    changed += 1
+        for i, v in enumerate(self.outputs):
+            if v == old:
+                self.outputs[i] = new
+                changed += 1
+        return changed
+
+    def infer(self) -> None:
+        """Infer every operation's output shapes and dtypes again, in order (after a rewrite
+        changed what they read); an operation's ``scale_exp`` follows too, but a cast's, which
+        its attributes fix."""
+        from .operators import registry
+        reg = registry()
+        for op in self.ops:
+            types = reg.get(op.type, where=f"operation {op.name}").infer_types(self, op)
+            for vid, (shape, dtype, scale) in zip(op.outputs, types):
+                self.values[vid].shape, self.values[vid].dtype = tuple(shape), dtype
+                if op.type != "cast":
+                    self.values[vid].scale_exp = scale
+
+    def remove_unused(self) -> dict[int, int]:
+        """Remove the operations whose outputs nothing reads and no graph output is, then every
+        value no remaining operation defines or reads (graph inputs stay); number the remaining
+        values 0, 1, … in their order and the operations too. Returns ``{old id: new id}`` of
+        the values kept (apply it to anything keyed by value id: constants, example inputs)."""
+        live = set(self.outputs)
+        kept_ops = []
+        for op in reversed(self.ops):
+            if live.intersection(op.outputs):
+                kept_ops.append(op)
+                live.update(op.inputs)
+        kept_ops.reverse()
+        used = set(self.inputs) | {v for op in kept_ops for v in (*op.inputs, *op.outputs)}
+        renumbered = {old: new for new, old in enumerate(sorted(v for v in self.values if v in used))}
+        if len(kept_ops) == len(self.ops) and all(k == v for k, v in renumbered.items()) \
+                and len(renumbered) == len(self.values):
+            return renumbered
+        self.values = {renumbered[v]: dataclasses.replace(val, id=renumbered[v])
+                       for v, val in self.values.items() if v in renumbered}
+        for op in kept_ops:
+            op.inputs = [renumbered[v] for v in op.inputs]
+            op.outputs = [renumbered[v] for v in op.outputs]
+        self.ops = kept_ops
+        self.renumber()
+        self.inputs = [renumbered[v] for v in self.inputs]
+        self.outputs = [renumbered[v] for v in self.outputs]
+        self.constants = [renumbered[v] for v in self.constants if v in renumbered]
+        return renumbered
 
     # queries --------------------------------------------------------------------------------
     def producer(self) -> dict[int, Op]:
@@ -141,7 +226,7 @@ class Graph:
                 defined.add(v)
         for v in self.outputs:
             if v not in defined:
-                raise ValueError(f"graph output {self.values[v].name} is never defined")
+                raise ValueError(f"graph output {self.values[v].name if v in self.values else v} is never defined")
 
     # serialisation --------------------------------------------------------------------------
     def to_json(self) -> dict:

@@ -143,6 +143,30 @@ class Logger:
 log = Logger()
 
 
+class PluginLogger:
+    """A plugin's logger (``get_logger(name)``): its lines go into the same structured log as
+    ipubuild's — the target's ``build.log``, inside the spans of the phase that called the
+    plugin, and on the console as ``IPUBUILD_LOG`` asks — as ``<name>: <message> key=value …``."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def info(self, message: str, **kv) -> None:
+        """A line at level INFO (in ``build.log``; on the console with ``IPUBUILD_LOG=info``)."""
+        log.info(f"{self.name}: {message}", **kv)
+
+    debug = info        # the log has two levels: debug lines are info lines
+
+    def warning(self, message: str, **kv) -> None:
+        """A line at level WARN (on the console too, as ``warning: <name>: <message> …``)."""
+        log.warning(f"{self.name}: {message}", **kv)
+
+
+def get_logger(name: str) -> PluginLogger:
+    """The logger a plugin writes with: ``get_logger(__name__).info("proposed", count=3)``."""
+    return PluginLogger(str(name))
+
+
 def _target(spans) -> str | None:
     return next((kv.get("target") for _, name, kv in spans if name == "build"), None)
 

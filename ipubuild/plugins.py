@@ -3,6 +3,9 @@
 Built-in features and third-party plugins alike are found through the ``ipubuild`` entry-point
 group; ``IPUBUILD_PLUGINS`` (comma-separated module names) adds modules by name, which is how a
 test registers a plugin "the same way entry points would" without installing it.
+``IPUBUILD_DISABLE_PLUGIN_AUTOLOAD=1`` loads no installed third-party plugin (only the built-in
+ones and those ``IPUBUILD_PLUGINS`` names), as ``PYTEST_DISABLE_PLUGIN_AUTOLOAD`` does for
+pytest: to tell whether a plugin causes a problem, or to test against the built-ins alone.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from .errors import UserError
 from .fingerprint import code_fingerprint
 
 BUILTIN_MODULES = ("ipubuild.builtin.operators", "ipubuild.builtin.vit", "ipubuild.builtin.casts",
-                   "ipubuild.builtin.heuristics", "ipubuild.builtin.simulator", "ipubuild.builtin.httpcache")
+                   "ipubuild.builtin.passes", "ipubuild.builtin.heuristics", "ipubuild.builtin.simulator",
+                   "ipubuild.builtin.httpcache")
 
 
 class PluginManager(pluggy.PluginManager):
@@ -29,11 +33,11 @@ class PluginManager(pluggy.PluginManager):
         self.add_hookspecs(hookspecs)
         self.dists: dict[str, tuple[str, str]] = {}   # plugin name -> (distribution, version)
 
-    def load(self, extra=()):
+    def load(self, extra=(), autoload: bool = True):
         for name in BUILTIN_MODULES:
             self._register_module(name, ("ipubuild", _version("ipubuild")))
         for ep in sorted(importlib.metadata.entry_points(group="ipubuild"), key=lambda e: e.name):
-            if ep.value in BUILTIN_MODULES:
+            if ep.value in BUILTIN_MODULES or not autoload:
                 continue
             try:
                 module = ep.load()
@@ -110,6 +114,34 @@ class PluginManager(pluggy.PluginManager):
                 out[name] = value
         return out
 
+    #: what each registration hook registers, as ``doit plugins`` lists it: (label, names of a result)
+    REGISTRATIONS = {
+        "ipubuild_operators": ("operators", lambda got: [o.name for o in got]),
+        "ipubuild_model_families": ("model families", list),
+        "ipubuild_cast_policies": ("cast policies", list),
+        "ipubuild_graph_passes": ("graph passes", lambda got: [
+            f"{p.name} ({p.stage}{', default' if p.default else ''})" for p in got]),
+        "ipubuild_search_heuristics": ("search heuristics", lambda got: [h.name for h in got]),
+        "ipubuild_device_backends": ("devices", list),
+        "ipubuild_cache_backends": ("cache backends", lambda got: [f"{s}://" for s in got]),
+        "ipubuild_targets": ("targets", lambda got: [os.path.splitext(os.path.basename(str(p)))[0] for p in got]),
+    }
+
+    def registrations(self, plugin: str) -> list[tuple[str, str]]:
+        """What plugin module ``plugin`` registers: ``[(label, "name, name, …")]`` in the order
+        of ``REGISTRATIONS``, for the hooks it implements (a hook that fails says so)."""
+        out = []
+        for hook, (label, names) in self.REGISTRATIONS.items():
+            for impl in getattr(self.hook, hook).get_hookimpls():
+                if impl.plugin_name != plugin:
+                    continue
+                try:
+                    listed = ", ".join(str(n) for n in names(impl.function())) or "(none)"
+                except Exception as exc:  # noqa: BLE001 - shown, not raised: the listing goes on
+                    listed = f"error: {type(exc).__name__}: {exc}"
+                out.append((label, listed))
+        return out
+
     def call(self, hook: str, **kwargs):
         """Call a hook; a plugin that raises is named with the hook in a one-line error."""
         caller = getattr(self.hook, hook)
@@ -145,11 +177,12 @@ def _version(dist: str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _manager(extra: tuple[str, ...]) -> PluginManager:
-    return PluginManager().load(extra)
+def _manager(extra: tuple[str, ...], autoload: bool = True) -> PluginManager:
+    return PluginManager().load(extra, autoload)
 
 
 def get_plugin_manager() -> PluginManager:
-    """The process's plugin manager, with ``$IPUBUILD_PLUGINS`` modules added."""
+    """The process's plugin manager, with ``$IPUBUILD_PLUGINS`` modules added (and no
+    installed third-party plugin under ``$IPUBUILD_DISABLE_PLUGIN_AUTOLOAD``)."""
     extra = tuple(m for m in os.environ.get("IPUBUILD_PLUGINS", "").split(",") if m)
-    return _manager(extra)
+    return _manager(extra, os.environ.get("IPUBUILD_DISABLE_PLUGIN_AUTOLOAD", "") in ("", "0"))

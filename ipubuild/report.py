@@ -193,7 +193,8 @@ def report_data(name: str, device: str, profile: dict, cost: dict, program: dict
         "tiles": profile.get("tiles"), "tile_count": program["tile_count"], "tiles_used": len(memory["tiles"]),
         "clock_hz": machine["clock_hz"], "steps_from": "device" if measured else "cost model",
         "steps": step_series(steps), "heatmap": heatmap(steps), "memory": memory,
-        "search": {"initial_cycles": search["initial_cycles"], "history": search["history"]},
+        "search": {"initial_cycles": search["initial_cycles"], "history": search["history"],
+                   "heuristics": search.get("heuristics", {})},
         "exchanges": top_exchanges(program),
         "kernels": kernel_profile or {"kernels": {}, "notes": [], "measure": ""}}
 

@@ -2,8 +2,9 @@
 
 A layout chooses, for every operation, a plan (how it splits over tiles) and a tile offset (where
 its tile set starts). Starting from the heuristics' initial layout, each round asks the search
-heuristics (plugins) for changes to the incumbent, screens them with a cheap estimate
-(``invalid``, ``visited``, ``not_cheaper``, ``deduplicated``, ``truncated``, ``shortlisted``),
+heuristics (plugins) for changes to the incumbent, screens them with a cheap estimate, the
+costliest operations' first, within a budget (``invalid``, ``visited``, ``not_cheaper``,
+``deduplicated``, ``truncated``, ``shortlisted``, ``unscreened``),
 evaluates the shortlist exactly (the compiler's own phases up to the costed, placed program,
 through the shared cache, in worker processes) and accepts the best improvement. The state is
 saved after every attempt; a re-run validates the saved incumbent and resumes. Only the winner
@@ -37,9 +38,12 @@ EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "pl
 
 @dataclasses.dataclass(frozen=True)
 class Changes:
-    """A change to a layout, in the reference's terms. Built-in heuristics change ``plans``
-    (operation -> plan index) and ``boundaries`` (operation -> tile offset: where its tile set
-    starts); the other fields are carried for heuristics that can express them."""
+    """A change to a layout, in the reference's terms: ``plans`` (``((operation id, plan
+    index), ...)``: the index into ``SearchContext.plans[operation id]``) and ``boundaries``
+    (``((operation id, tile offset), ...)``: where the operation's tile set starts, ``0 <=
+    offset < tile_count``). The other fields (``UNEXPRESSED``) are carried for layouts that can
+    express them; this one cannot, so a change that sets any of them is screened out as
+    ``inexpressible``."""
     plans: tuple = ()
     boundaries: tuple = ()
     casts: tuple = ()
@@ -49,22 +53,35 @@ class Changes:
     disjoint_copy_sources: tuple = (False, False)
     cast_storage: tuple = (None, None)
 
+    #: the fields a layout cannot express, with the value that leaves them unset
+    UNEXPRESSED = {"casts": (), "early_casts": (), "packing_rows": (None, None), "parallel_reductions": (0, 0),
+                   "disjoint_copy_sources": (False, False)}
+
     def apply(self, layout: dict, plans: dict[int, list], tile_count: int) -> dict | None:
-        """The changed layout, or None if this layout cannot express the change."""
-        if self.casts or self.early_casts or self.packing_rows != (None, None) \
-                or self.parallel_reductions != (0, 0) or self.disjoint_copy_sources != (False, False):
-            return None
+        """The changed layout, or None if this layout cannot express the change (``why_not``
+        says why)."""
+        return self._applied(layout, plans, tile_count)[0]
+
+    def why_not(self, layout: dict, plans: dict[int, list], tile_count: int) -> str | None:
+        """Why ``apply`` gives None: ``"inexpressible"`` (it sets a field of ``UNEXPRESSED``),
+        ``"out_of_range"`` (an operation the layout does not have, a plan index or tile offset
+        out of range) or ``"unchanged"`` (the layout already is so); None if it applies."""
+        return self._applied(layout, plans, tile_count)[1]
+
+    def _applied(self, layout, plans, tile_count) -> tuple[dict | None, str | None]:
+        if any(getattr(self, f) != unset for f, unset in self.UNEXPRESSED.items()):
+            return None, "inexpressible"
         ops = {k: dict(v) for k, v in layout["ops"].items()}
         for op, plan in self.plans:
             if str(op) not in ops or not 0 <= plan < len(plans[op]):
-                return None
+                return None, "out_of_range"
             ops[str(op)]["plan"] = plan
         for op, offset in self.boundaries:
             if str(op) not in ops or not 0 <= offset < tile_count:
-                return None
+                return None, "out_of_range"
             ops[str(op)]["offset"] = offset
         out = dict(layout, ops=ops)
-        return None if out == layout else out
+        return (None, "unchanged") if out == layout else (out, None)
 
     def describe(self, graph, policy: str) -> str:
         ops = ", ".join(f"OperationId({op})" for op, _ in sorted(self.plans))
@@ -78,13 +95,20 @@ class Changes:
 
 @dataclasses.dataclass(frozen=True)
 class Heuristic:
-    """A search heuristic: ``propose(layout, context) -> list[Changes]``, deterministic."""
+    """A search heuristic: ``propose(layout, context) -> list[Changes]``, deterministic.
+    ``layout`` is the incumbent (``{"ops": {"<operation id>": {"plan": i, "offset": t}}}``,
+    read-only) and ``context`` a :class:`SearchContext`. ``name`` (an identifier, unique) names
+    its proposals (``<name>#<index>``) and its counts in the search's log and state."""
     name: str
     propose: Callable
 
 
 class SearchContext:
-    """What heuristics see: the graph, each operation's plans, the tile count and an estimator."""
+    """What heuristics see: ``graph`` (the :class:`ipubuild.ir.Graph` being planned, with its
+    casts), ``plans`` (``{operation id: [plan dict, ...]}``, each operator's ``plans`` and
+    follow plans), ``tile_count``, ``machine`` (the machine description, a dict of
+    ``ipubuild/machines/<name>.toml``), ``producer`` (``{value id: the Op writing it}``) and
+    ``estimator`` (an :class:`Estimator` of layouts). Read-only."""
 
     def __init__(self, graph, tile_count: int, machine: dict):
         self.graph, self.tile_count, self.machine = graph, tile_count, machine
@@ -124,7 +148,7 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
 _worker: dict = {}
 
 
-def _evaluate_in_worker(attempt: int, proposal: int, layout: dict, forked: bool = False) -> dict:
+def _evaluate_in_worker(attempt: int, proposal, layout: dict, forked: bool = False) -> dict:
     w = _worker
     t0 = time.perf_counter()
     with span("local_candidate", attempt=attempt, proposal=proposal):
@@ -172,10 +196,35 @@ class Pool:
 
 # the search ------------------------------------------------------------------------------------
 def heuristics() -> list[Heuristic]:
+    """Every plugin's heuristics, in name order (a name declared twice, or one that is not an
+    identifier or is a key of the round's log lines, is an error naming the plugin)."""
     from .plugins import get_plugin_manager
-    found = get_plugin_manager().collect("ipubuild_search_heuristics", lambda h: isinstance(h, Heuristic),
-                                         "a list of ipubuild.search.Heuristic")
+    found = get_plugin_manager().collect(
+        "ipubuild_search_heuristics", _well_named, "a list of ipubuild.search.Heuristic, each named by an "
+        f"identifier other than {', '.join(RESERVED_NAMES)}")
+    owners: dict[str, str] = {}
+    for plugin, h in found:
+        if h.name in owners:
+            raise UserError(f"plugin {plugin}", f"hook ipubuild_search_heuristics: heuristic {h.name!r} is "
+                            f"already registered by {owners[h.name]}")
+        owners[h.name] = plugin
     return sorted((h for _, h in found), key=lambda h: h.name)
+
+
+#: why screening drops a proposal as invalid: the layout cannot express it (``inexpressible``,
+#: ``out_of_range``, ``unchanged``: see ``Changes.why_not``), a follow plan then cannot follow
+#: its producer (``unfollowable``), or a tile's constants or code exceed their caps (``over_memory``)
+INVALID_REASONS = ("inexpressible", "out_of_range", "unchanged", "unfollowable", "over_memory")
+#: what the search counts of each heuristic's proposals (the round's log lines and the state)
+HEURISTIC_COUNTS = ("proposed", "unscreened", *INVALID_REASONS, "fit", "visited", "deduplicated", "cheaper",
+                    "shortlisted", "evaluated", "improved", "accepted")
+#: the keys of the round's log lines, which a heuristic's name cannot be
+RESERVED_NAMES = ("round", "invalid", "not_cheaper", "truncated", *HEURISTIC_COUNTS)
+
+
+def _well_named(h) -> bool:
+    return isinstance(h, Heuristic) and isinstance(h.name, str) and h.name.isidentifier() \
+        and h.name not in RESERVED_NAMES and callable(h.propose)
 
 
 def state_path(ctx) -> Path:
@@ -191,6 +240,9 @@ def _save(path: Path, state: dict) -> None:
 
 STATE_KEYS = {"key": str, "incumbent": dict, "cycles": int, "attempts": int, "round": int,
               "visited": list, "history": list}
+#: optional keys of a saved state: ``heuristics`` — each heuristic's counts (HEURISTIC_COUNTS),
+#: summed over the rounds so far
+STATE_OPTIONAL = {"heuristics": dict}
 
 
 def read_state(path: Path) -> dict | None:
@@ -211,7 +263,8 @@ def read_state(path: Path) -> dict | None:
         except ValueError:
             state = None
     if not isinstance(state, dict) or any(not isinstance(state.get(k), t) or isinstance(state.get(k), bool)
-                                          for k, t in STATE_KEYS.items()):
+                                          for k, t in STATE_KEYS.items()) \
+            or any(not isinstance(state.get(k, t()), t) for k, t in STATE_OPTIONAL.items()):
         log.warning("ignored a search state that does not verify (damaged or edited); searching afresh",
                     path=os.path.relpath(path))
         return None
@@ -238,7 +291,9 @@ def plan_package(ctx):
 
 def search_layout(ctx, graph) -> tuple[dict, dict]:
     """The searched layout, and the search's summary ``{"initial_cycles", "history": [{"round",
-    "before", "after"}]}`` (one entry per accepted improvement; round 0 is the tile mapping)."""
+    "before", "after", "heuristic", "proposal"}], "heuristics": {name: counts}}`` (one history
+    entry per accepted improvement; round 0 is the tile mapping, which no heuristic proposes;
+    ``heuristics``: each heuristic's HEURISTIC_COUNTS summed over the rounds)."""
     cfg = ctx.config["search"]
     tiles = ctx.config["target"]["tile_count"]
     machine = machine_of(ctx)
@@ -278,7 +333,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             # the first save comes after the tile-mapping screen, so a resumed search never
             # skips a step an uninterrupted one takes
             state = {"key": key, "incumbent": incumbent, "cycles": cycles, "attempts": 0, "round": 0,
-                     "visited": [canonical.digest_of(incumbent)], "history": []}
+                     "visited": [canonical.digest_of(incumbent)], "history": [], "heuristics": {}}
             incumbent, cycles = _screen_mappings(sc, incumbent, cycles, pool, state)
             state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(set(state["visited"]) | {canonical.digest_of(incumbent)})
@@ -287,16 +342,20 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
         while state["round"] < cfg["rounds"] and time.perf_counter() - t_start < cfg["seconds"]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()
-            proposals = [ch for h in found for ch in _proposals(h, incumbent, sc)]
-            counts, shortlist = screen(proposals, incumbent, sc, visited, cfg["shortlist"])
-            log.info("screened local search round", round=rnd, proposed=len(proposals), **counts)
+            proposals = [(h.name, ch) for h in found for ch in _proposals(h, incumbent, sc)]
+            screened = screen_round(proposals, incumbent, sc, visited, cfg["shortlist"], [h.name for h in found])
+            per = screened.heuristics
+            log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
+                     **screened.invalid, **_by_heuristic(per, ("proposed", "fit", "cheaper", "shortlisted")))
             screen_s = time.perf_counter() - t0
+            shortlist = screened.shortlist
             if not shortlist:
+                _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]
                 break
             log.info("evaluating ordered local candidates concurrently", candidates=len(shortlist),
                      threads=cfg["workers"])
-            jobs = [(state["attempts"] + i + 1, idx, layout) for i, (idx, layout, _) in enumerate(shortlist)]
+            jobs = [(state["attempts"] + i + 1, pid, layout) for i, (pid, layout, _, _) in enumerate(shortlist)]
             t1 = time.perf_counter()
             results = pool.map(jobs)
             eval_s = time.perf_counter() - t1
@@ -304,30 +363,39 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             hits = sum(r.get("hits", 0) for r in results)
             misses = sum(r.get("misses", 0) for r in results)
             best = None
-            for (attempt, idx, layout), (_, _, changes), r in zip(jobs, shortlist, results):
+            for (attempt, pid, layout), (_, _, changes, name), r in zip(jobs, shortlist, results):
                 visited.add(canonical.digest_of(layout))
+                per[name]["evaluated"] += 1
                 if "invalid" in r:
-                    log.info("rejected invalid local candidate", attempt=attempt, proposal=idx, reason=r["invalid"])
-                elif r["cycles"] < cycles and (best is None or r["cycles"] < best[3]["cycles"]):
-                    best = (attempt, layout, changes, r)
+                    log.info("rejected invalid local candidate", attempt=attempt, proposal=pid, reason=r["invalid"])
+                    continue
+                if r["cycles"] < cycles:
+                    per[name]["improved"] += 1
+                    if best is None or r["cycles"] < best[3]["cycles"]:
+                        best = (attempt, layout, changes, r, name, pid)
             log.info("measured local search round", round=rnd, proposals_per_s=f"{len(proposals) / max(screen_s, 1e-9):.0f}",
                      evaluations_per_s=f"{len(jobs) / max(eval_s, 1e-9):.2f}",
                      cache_hit_rate=f"{hits / max(1, hits + misses):.2f}")
             state["round"] = rnd
             if best is None:
                 log.info("retained incumbent layout: no candidate improved", round=rnd)
+                _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]
             else:
-                attempt, layout, changes, r = best
+                attempt, layout, changes, r, name, pid = best
+                per[name]["accepted"] += 1
                 log.info("accepted local layout improvement", attempt=attempt, before=cycles, after=r["cycles"],
-                         delta=changes.describe(graph, policy))
-                state["history"].append({"round": rnd, "before": cycles, "after": r["cycles"]})
+                         delta=changes.describe(graph, policy), heuristic=name, proposal=pid)
+                _count_round(state, rnd, per)
+                state["history"].append({"round": rnd, "before": cycles, "after": r["cycles"],
+                                         "heuristic": name, "proposal": pid})
                 incumbent, cycles = layout, r["cycles"]
                 state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(visited)
             _save(path, state)
         h = state["history"]   # the search's convergence, for the report
-        return incumbent, {"initial_cycles": h[0]["before"] if h else state["cycles"], "history": h}
+        return incumbent, {"initial_cycles": h[0]["before"] if h else state["cycles"], "history": h,
+                           "heuristics": state.get("heuristics", {})}
     finally:
         pool.close()
 
@@ -385,41 +453,122 @@ def _proposals(h: Heuristic, layout, sc) -> list:
 SCREEN_BUDGET = 1_500_000 // 64
 
 
-def screen(proposals, incumbent, sc, visited, shortlist_size):
-    """Count proposals by screening outcome; return the counts and ``[(index, layout, changes)]``.
-    Proposals are screened in order of the estimated cost of the operations they change,
-    costliest first, until SCREEN_BUDGET is spent; the rest count as ``unscreened``."""
-    counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0)
+@dataclasses.dataclass
+class Screening:
+    """A round's proposals screened: ``counts`` (each proposal counted once: ``invalid``,
+    ``visited``, ``not_cheaper``, ``deduplicated``, ``truncated``, ``shortlisted``,
+    ``unscreened``), the invalid ones by reason (INVALID_REASONS), each heuristic's counts
+    (HEURISTIC_COUNTS; the search adds ``evaluated``, ``improved`` and ``accepted``) and the
+    shortlist ``[(proposal id, layout, changes, heuristic)]``, the cheapest estimate first."""
+    counts: dict
+    invalid: dict
+    heuristics: dict
+    shortlist: list
+
+
+def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=()) -> Screening:
+    """Screen ``[(heuristic name, Changes), ...]`` (in the heuristics' order): drop the invalid
+    ones (by reason), those already evaluated (``visited``: layout digests) and repeats, estimate
+    the rest, keep the ``shortlist_size`` cheapest that the estimate finds cheaper than the
+    incumbent (ties: the earlier proposal). Proposals are screened in order of the estimated
+    cost of the operations they change, costliest first, until SCREEN_BUDGET is spent; the rest
+    count as ``unscreened``. A proposal's id is ``<heuristic>#<index>``: its index in the list
+    its heuristic returned this round. Of proposals giving one layout, the earliest speaks for
+    it; the others count as ``deduplicated`` (for their heuristics). ``heuristics`` names
+    heuristics to count even if they proposed nothing."""
+    counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0, unscreened=0)
+    invalid = dict.fromkeys(INVALID_REASONS, 0)
+    per: dict[str, dict] = {name: dict.fromkeys(HEURISTIC_COUNTS, 0) for name in heuristics}
+    ids = []
+    for order, (name, _) in enumerate(proposals):
+        c = per.setdefault(name, dict.fromkeys(HEURISTIC_COUNTS, 0))
+        ids.append(f"{name}#{c['proposed']}" if name else order)
+        c["proposed"] += 1
     est = sc.estimator
     baseline = Baseline(est, incumbent)
-    seen, cheaper = set(), {}
+    first, cheaper = {}, {}     # layout digest -> (order, heuristic) of its speaker; -> its shortlist entry
     budget = SCREEN_BUDGET * 64 // max(64, sc.tile_count)
-    for n, (idx, ch) in enumerate(sorted(enumerate(proposals), key=lambda p: (-_weight(p[1], baseline), p[0]))):
+    ranked = sorted(range(len(proposals)), key=lambda i: (-_weight(proposals[i][1], baseline), i))
+    for n, order in enumerate(ranked):
         if len(baseline.asked) >= budget:       # counted the same whatever the estimator has cached
-            counts["unscreened"] = len(proposals) - n
+            counts["unscreened"] = len(ranked) - n
+            for i in ranked[n:]:
+                per[proposals[i][0]]["unscreened"] += 1
             break
-        layout = ch.apply(incumbent, sc.plans, sc.tile_count)
-        e, fits = baseline.compare(layout) if layout is not None else (None, False)
-        if not fits:         # not valid, or over the cap of constants or code on some tile
+        name, ch = proposals[order]
+        c = per[name]
+        layout, reason = ch._applied(incumbent, sc.plans, sc.tile_count)
+        if reason is None:
+            e, fits = baseline.compare(layout)
+            if not fits:         # not valid, or over the cap of constants or code on some tile
+                reason = "unfollowable" if e is None else "over_memory"
+        if reason is not None:
             counts["invalid"] += 1
+            invalid[reason] += 1
+            c[reason] += 1
             continue
+        c["fit"] += 1
         d = canonical.digest_of(layout)
         if d in visited:
             counts["visited"] += 1
+            c["visited"] += 1
             continue
-        if d in seen:
+        if d in first:
             counts["deduplicated"] += 1
-            if d in cheaper and idx < cheaper[d][1]:       # the first proposal of a layout speaks for it
-                cheaper[d] = (e, idx, layout, ch)
+            spoke, speaker = first[d]
+            if order > spoke:
+                c["deduplicated"] += 1
+                continue
+            # screened later but proposed earlier: this proposal speaks for the layout
+            first[d] = (order, name)
+            per[speaker]["deduplicated"] += 1
+            if d in cheaper:
+                per[speaker]["cheaper"] -= 1
+                c["cheaper"] += 1
+                cheaper[d] = (e, order, ids[order], layout, ch, name)
             continue
-        seen.add(d)
+        first[d] = (order, name)
         if e >= baseline.total:
             counts["not_cheaper"] += 1
             continue
-        cheaper[d] = (e, idx, layout, ch)
-    cheaper = sorted(cheaper.values(), key=lambda t: (t[0], t[1]))
-    short = cheaper[:shortlist_size]
+        c["cheaper"] += 1
+        cheaper[d] = (e, order, ids[order], layout, ch, name)
+    short = sorted(cheaper.values(), key=lambda t: (t[0], t[1]))[:shortlist_size]
+    for *_, name in short:
+        per[name]["shortlisted"] += 1
     counts["truncated"] = len(cheaper) - len(short)
     counts["shortlisted"] = len(short)
-    return counts, [(idx, layout, ch) for _, idx, layout, ch in short]
+    return Screening(counts, invalid, per, [(pid, layout, ch, name) for _, _, pid, layout, ch, name in short])
+
+
+def screen(proposals, incumbent, sc, visited, shortlist_size):
+    """``screen_round`` of a list of ``Changes`` (their ids: 0, 1, …) or ``(heuristic, Changes)``
+    pairs: its counts and its shortlist ``[(proposal id, layout, changes)]``."""
+    s = screen_round([p if isinstance(p, tuple) else ("", p) for p in proposals], incumbent, sc, visited,
+                     shortlist_size)
+    return s.counts, [(pid, layout, ch) for pid, layout, ch, _ in s.shortlist]
+
+
+def _by_heuristic(per: dict, keys) -> dict:
+    """Log fields, one per heuristic: ``<name>="proposed=N fit=N …"`` (after ``fit``, those of
+    ``unscreened`` and the invalid reasons that are not 0)."""
+    def fields(c):
+        if "fit" in keys:
+            at = keys.index("fit") + 1
+            keys_c = [*keys[:at], *(k for k in ("unscreened", *INVALID_REASONS) if c[k]), *keys[at:]]
+        else:
+            keys_c = keys
+        return '"' + " ".join(f"{k}={c[k]}" for k in keys_c) + '"'
+    return {name: fields(c) for name, c in per.items() if name}
+
+
+def _count_round(state: dict, rnd: int, per: dict) -> None:
+    """Log each heuristic's counts of round ``rnd`` and add them to the state's sums."""
+    log.info("counted local search round by heuristic", round=rnd,
+             **_by_heuristic(per, ("proposed", "fit", "cheaper", "evaluated", "improved", "accepted")))
+    sums = state.setdefault("heuristics", {})
+    for name, c in per.items():
+        total = sums.setdefault(name, dict.fromkeys(HEURISTIC_COUNTS, 0))
+        for k, n in c.items():
+            total[k] = total.get(k, 0) + n
 

@@ -28,6 +28,9 @@ __all__ = [
     "load_target",
     "dump_resolved",
     "discover",
+    "TargetFile",
+    "plugin_targets",
+    "find_targets",
 ]
 
 DEFAULT_MAX_TILES = 1472
@@ -294,6 +297,7 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
     },
     "model": {
         "family": Field(str, doc="Registered model family; its builder checks the other [model] keys."),
+        "passes": Field("list_str", [], doc="Graph passes to run besides the default ones (by name)."),
     },
     "casts": {
         "policy": Field(str, "f143", doc="Registered FP8 cast policy."),
@@ -337,7 +341,8 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
 """The sections of a target file and their keys; ``target`` and ``model`` are required."""
 
 _REQUIRED_SECTIONS = ("target", "model")
-_KNOWN_KEYS = {"device": ("target", "device"), "policy": ("casts", "policy"), "family": ("model", "family")}
+_KNOWN_KEYS = {"device": ("target", "device"), "policy": ("casts", "policy"), "family": ("model", "family"),
+               "passes": ("model", "passes")}
 
 
 def _schema_for(max_tiles: int) -> dict[str, dict[str, Field]]:
@@ -349,19 +354,19 @@ def _schema_for(max_tiles: int) -> dict[str, dict[str, Field]]:
 
 
 def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
-                known: dict[str, list[str]] | None = None, root=None) -> dict:
+                known: dict[str, list[str]] | None = None, root=None, shown: str | None = None) -> dict:
     """Read, validate and resolve the target file at ``path``.
 
     Returns ``{"name": <file stem>, "path": str(path), "target": ..., "model": ..., "casts": ...,
-    "numerics": ..., "profile": ..., "search": ...}`` with every default filled in. ``tile_count`` must be at most
-    ``max_tiles``. ``known`` optionally maps ``"device"``, ``"policy"`` and ``"family"`` to the
-    registered names; other values are then errors listing the known names (any other key of
-    ``known`` is a programming error: ValueError). Any problem raises
+    "numerics": ..., "profile": ..., "search": ...}`` with every default filled in. ``tile_count``
+    must be at most ``max_tiles``. ``known`` optionally maps ``"device"``, ``"policy"``,
+    ``"family"`` and ``"passes"`` to the registered names; other values are then errors listing
+    the known names (any other key of ``known`` is a programming error: ValueError). Any problem raises
     one single-line :class:`UserError` naming the file (and key). A relative ``path`` is read
     from ``root`` when given (and named as given, so messages and keys do not depend on where the
-    tree lies).
+    tree lies); ``shown``, if given, names the file instead (a target a plugin ships).
     """
-    where = str(path)
+    where = shown or str(path)
     p = Path(path)
     source = Path(root, p) if root is not None else p
     name = p.stem if p.suffix == ".toml" else p.name
@@ -397,14 +402,17 @@ def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
 
     for kind, names in (known or {}).items():
         if kind not in _KNOWN_KEYS:
-            raise ValueError(f"load_target: known= takes device, policy, family; got {kind!r}")
+            raise ValueError(f"load_target: known= takes device, policy, family, passes; got {kind!r}")
         section, key = _KNOWN_KEYS[kind]
-        value = resolved[section][key]
-        if value not in names:
-            listed = ", ".join(sorted(names)) or "(none)"
-            hint = "; a plugin may provide it: install it (see docs/plugins.md)" if kind == "family" else ""
-            raise UserError(f"{where}: {section}.{key}",
-                            f"unknown {kind} {_show(value)}{_did_you_mean(value, names)}; known: {listed}{hint}")
+        values = resolved[section][key]
+        for i, value in enumerate(values if isinstance(values, list) else [values]):
+            if value not in names:
+                listed = ", ".join(sorted(names)) or "(none)"
+                hint = "; a plugin may provide it: install it (see docs/plugins.md)" if kind in ("family", "passes") else ""
+                what = "graph pass" if kind == "passes" else kind
+                dotted = f"{section}.{key}" + (f"[{i}]" if isinstance(values, list) else "")
+                raise UserError(f"{where}: {dotted}",
+                                f"unknown {what} {_show(value)}{_did_you_mean(value, names)}; known: {listed}{hint}")
     return resolved
 
 
@@ -425,3 +433,44 @@ def dump_resolved(target: dict) -> bytes:
 def discover(root) -> list[Path]:
     """The target files ``root/targets/*.toml``, sorted."""
     return sorted(p for p in Path(root, "targets").glob("*.toml") if p.is_file())
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetFile:
+    """A target a tree can build: its ``name`` (the file's stem), the file (``path``), how
+    messages and action keys name it (``shown``: ``targets/<name>.toml`` for the tree's own,
+    the path inside its package for a plugin's) and the plugin that ships it (None: the tree)."""
+    name: str
+    path: Path
+    shown: str
+    plugin: str | None = None
+
+
+def plugin_targets(pm) -> list[TargetFile]:
+    """The targets plugins ship (``ipubuild_targets``), sorted by name; a path that is not a
+    ``.toml`` file, or a name two plugins ship, is an error naming the plugin(s)."""
+    from .kernels import source_slot
+    out: dict[str, TargetFile] = {}
+    for plugin, p in pm.collect("ipubuild_targets", lambda p: isinstance(p, (str, Path)),
+                                "a list of paths to target files (<name>.toml)"):
+        path = Path(p).resolve()
+        if path.suffix != ".toml" or not path.is_file():
+            raise UserError(f"plugin {plugin}", f"hook ipubuild_targets: {p} is not a target file (<name>.toml)")
+        found = TargetFile(path.stem, path, source_slot(path), plugin)
+        if found.name in out:
+            other = out[found.name]
+            raise UserError(f"plugin {plugin}", f"hook ipubuild_targets: target {found.name!r} ({found.shown}) is "
+                            f"already shipped by plugin {other.plugin} ({other.shown}); rename one")
+        out[found.name] = found
+    return sorted(out.values(), key=lambda t: t.name)
+
+
+def find_targets(root, pm=None) -> tuple[list[TargetFile], dict[str, str]]:
+    """The targets a tree can build — its own ``targets/*.toml``, then those its plugins ship
+    (with ``pm``) — and, by name, the error of each name that two of them give (naming both)."""
+    own = [TargetFile(p.stem, p, f"targets/{p.name}") for p in discover(root)]
+    shipped = plugin_targets(pm) if pm is not None else []
+    mine = {t.name: t for t in own}
+    clashes = {t.name: f"target {t.name!r} is both the tree's {mine[t.name].shown} and {t.shown} of plugin "
+                       f"{t.plugin} ({t.path}); rename one" for t in shipped if t.name in mine}
+    return own + [t for t in shipped if t.name not in mine], clashes

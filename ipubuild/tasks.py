@@ -111,6 +111,7 @@ def load(dodo_file, *, extra_config: dict | None = None) -> dict:
     heal_doit_db(root / ".doit.db")
     reporter, verbose = console.setup(root)
     defaults: list[str] = []    # filled when the tasks load: doit reads this list only after
+    console.settings["defaults"] = defaults
 
     def task_ipubuild():
         hold_build_lock(root)
@@ -133,7 +134,12 @@ def tasks_of(root: Path, defaults: list | None = None, verbose: bool = True):
             yield {"basename": task["basename"], "name": None, "doc": docs.pop(task["basename"])}
         yield task
     if defaults is not None and any("build" in (e["kind"], e.get("basename")) for e in entries):
-        defaults[:] = ["build"] + [f"{e['step']['task']}:{e['step']['name']}" for e in entries if e["kind"] == "step"]
+        # a target a plugin ships is built when named, never by bare `doit`
+        shipped = {e.get("target", e.get("name")) for e in entries if e.get("plugin")}
+        builds = ["build"] if not shipped else [f"build:{e.get('target', e.get('name'))}" for e in entries
+                                                if "build" in (e["kind"], e.get("basename")) and not e.get("plugin")]
+        defaults[:] = builds + [f"{e['step']['task']}:{e['step']['name']}" for e in entries
+                                if e["kind"] == "step" and e["meta"].get("target") not in shipped]
 
 
 def _analyse(root: Path, previous: dict | None) -> dict:

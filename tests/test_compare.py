@@ -10,16 +10,12 @@ import shutil
 import numpy as np
 import pytest
 
-from ipubuild import fp8
+from ipubuild import fp8, testing
 from ipubuild.builtin.operators import TYPE_NUM
 from ipubuild.compare import judge, mode
 from ipubuild.ir import Graph, Value
-from ipubuild.operators import registry
-
-try:
-    from . import kernel_harness as kh  # type: ignore
-except ImportError:
-    import kernel_harness as kh
+from ipubuild.kernels import KERNEL_DIR
+from ipubuild.operators import KernelVariant, registry
 
 
 def value(dtype, shape=(4,), scale_exp=0):
@@ -113,9 +109,25 @@ def test_values_are_mapped_only_when_operations_are_compared():
 pytestmark_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
 
+class Kernels:
+    """Built-in kernel variants by source name and defines, each compiled once (as a build
+    compiles it: the checked build, told the tile's size)."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def get(self, name: str, **defines) -> testing.Kernel:
+        defines["IPU_CHECKED"] = 1
+        tag = "".join(f"_{k}{v}" for k, v in sorted(defines.items()))
+        k = testing.load_variant(KernelVariant(name + tag, KERNEL_DIR / f"{name}.c", tuple(sorted(defines.items()))),
+                                 self.out_dir)
+        k.set_tile(testing.TileMemory().mem.size)
+        return k
+
+
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    return kh.KernelCache(tmp_path_factory.mktemp("kernels"))
+    return Kernels(tmp_path_factory.mktemp("kernels"))
 
 
 def graph_of(op_type, inputs, **attrs):
@@ -147,7 +159,7 @@ def test_matmul_tolerance_holds_for_the_kernel(kernels, m, k, n, seed):
     a, b = fp8.encode(x, "f143", sa), fp8.encode(w, "f143", sb)
     bias = (r.standard_normal(n) * 0.02).astype(np.float32)
     g, op = graph_of("matmul", [("a", a, "f143", sa), ("b", b, "f143", sb), ("bias", bias, "f32", 0)])
-    tile = kh.TileMemory()
+    tile = testing.TileMemory()
     pa, pb, pbias, c = tile.put(a), tile.put(b), tile.put(bias), tile.alloc(4 * m * n)
     assert kernels.get("matmul", A_TYPE=2, B_TYPE=2)(tile, [pa, pb, c, m, k, n, 0, sa, sb, pbias]) == 0
     out = tile.read(c, np.float32, (m, n))
@@ -167,9 +179,9 @@ def test_layernorm_tolerance_holds_for_the_kernel_and_an_epsilon_slip_exceeds_it
     g, op = graph_of("layernorm", [("x", x, "f32", 0), ("g", gamma, "f32", 0), ("b", beta, "f32", 0)], eps=1e-6)
     found = []
     for eps in (1e-6, 1e-4):
-        tile = kh.TileMemory()
+        tile = testing.TileMemory()
         px, pg, pb, y = tile.put(x), tile.put(gamma), tile.put(beta), tile.alloc(x.nbytes)
-        assert kernels.get("layernorm")(tile, [px, pg, pb, y, rows, cols, kh.f32_bits(eps)]) == 0
+        assert kernels.get("layernorm")(tile, [px, pg, pb, y, rows, cols, testing.f32_bits(eps)]) == 0
         found.append(within(g, op, [x, gamma, beta], tile.read(y, np.float32, (rows, cols))))
     assert found[0]["failed"] == 0, found[0]
     assert found[1]["failed"] > 0, found[1]
@@ -180,9 +192,9 @@ def test_layernorm_tolerance_holds_for_the_kernel_and_an_epsilon_slip_exceeds_it
 def test_softmax_tolerance_holds_for_the_kernel(kernels, rows, cols, scale, seed):
     x = (np.random.default_rng(seed).standard_normal((rows, cols)) * 6).astype(np.float32)
     g, op = graph_of("softmax", [("x", x, "f32", 0)], scale=scale)
-    tile = kh.TileMemory()
+    tile = testing.TileMemory()
     px, y = tile.put(x), tile.alloc(x.nbytes)
-    assert kernels.get("softmax")(tile, [px, y, rows, cols, kh.f32_bits(scale)]) == 0
+    assert kernels.get("softmax")(tile, [px, y, rows, cols, testing.f32_bits(scale)]) == 0
     assert within(g, op, [x], tile.read(y, np.float32, (rows, cols)))["failed"] == 0
 
 
@@ -193,7 +205,7 @@ def test_gelu_tolerance_holds_for_the_kernel(kernels, fp8_out):
                        ).astype(np.float32).reshape(1, -1)
     attrs = {"to": "f143", "scale_exp": 4} if fp8_out else {}
     g, op = graph_of("gelu", [("x", x, "f32", 0)], **attrs)
-    tile = kh.TileMemory()
+    tile = testing.TileMemory()
     px, y = tile.put(x), tile.alloc(x.nbytes)
     args = [px, y, x.size] + ([TYPE_NUM["f143"], 4] if fp8_out else [])
     assert kernels.get("gelu", **({"FP8_OUT": 1} if fp8_out else {}))(tile, args) == 0

@@ -1,17 +1,17 @@
+"""The built-in C kernels against numpy, through ``ipubuild.testing`` (each compiled as a build
+compiles it, plus -Werror, and called on a numpy tile memory)."""
 import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from ipubuild import fp8
+from ipubuild import fp8, testing
+from ipubuild.errors import UserError
+from ipubuild.kernels import KERNEL_DIR
+from ipubuild.operators import KernelVariant
 
-try:
-    from . import kernel_harness as kh  # type: ignore  # when tests/ is a package
-except ImportError:
-    import kernel_harness as kh
-
-F32, F16, F143, F152 = kh.IPU_F32, kh.IPU_F16, kh.IPU_F143, kh.IPU_F152
+F32, F16, F143, F152 = (testing.TYPE_CODES[t] for t in ("f32", "f16", "f143", "f152"))
 FP8_NAME = {F143: "f143", F152: "f152"}
 NP_STORE = {F32: np.float32, F16: np.uint16, F143: np.uint8, F152: np.uint8}
 
@@ -20,12 +20,24 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory):
-    return kh.KernelCache(tmp_path_factory.mktemp("kernels"))
+    return Kernels(tmp_path_factory.mktemp("kernels"))
 
 
 @pytest.fixture
 def tile():
-    return kh.TileMemory()
+    return testing.TileMemory()
+
+
+class Kernels:
+    """Built-in kernel variants by source name and defines, each compiled once."""
+
+    def __init__(self, out_dir):
+        self.out_dir = out_dir
+
+    def get(self, name: str, **defines) -> testing.Kernel:
+        tag = "".join(f"_{k}{v}" for k, v in sorted(defines.items()))
+        return testing.load_variant(KernelVariant(name + tag, KERNEL_DIR / f"{name}.c", tuple(sorted(defines.items()))),
+                                    self.out_dir)
 
 
 def rng(seed=0):
@@ -243,10 +255,10 @@ def test_matmul_invalid_flags(kernels, tile):
 
 
 def test_matmul_unknown_type_is_compile_error(tmp_path):
-    with pytest.raises(subprocess.CalledProcessError):
-        kh.compile_kernel("matmul", tmp_path, {"A_TYPE": 9, "B_TYPE": 0})
-    with pytest.raises(subprocess.CalledProcessError):
-        kh.compile_kernel("cast", tmp_path, {"SRC_TYPE": 0})
+    with pytest.raises(UserError, match="kernel matmul_A_TYPE9_B_TYPE0 .*compile failed"):
+        testing.compile_builtin("matmul", tmp_path, {"A_TYPE": 9, "B_TYPE": 0})
+    with pytest.raises(UserError, match="compile failed"):
+        testing.compile_builtin("cast", tmp_path, {"SRC_TYPE": 0})
 
 
 # ---------------------------------------------------------------- add
@@ -285,7 +297,7 @@ def test_layernorm(kernels, tile, rows, cols, alias):
     eps = np.float32(1e-5)
     xa, ga, ba = tile.put(x), tile.put(g), tile.put(bt)
     ya = xa if alias else tile.alloc(x.nbytes)
-    assert kern(tile, [xa, ga, ba, ya, rows, cols, kh.f32_bits(eps)]) == 0
+    assert kern(tile, [xa, ga, ba, ya, rows, cols, testing.f32_bits(eps)]) == 0
     x64 = x.astype(np.float64)
     mean = x64.mean(axis=1, keepdims=True)
     var = ((x64 - mean) ** 2).mean(axis=1, keepdims=True)
@@ -295,7 +307,7 @@ def test_layernorm(kernels, tile, rows, cols, alias):
 
 def test_layernorm_invalid(kernels, tile):
     a = tile.put(np.ones(4, np.float32))
-    assert kernels.get("layernorm")(tile, [a, a, a, a, 1, 0, kh.f32_bits(1e-5)]) != 0
+    assert kernels.get("layernorm")(tile, [a, a, a, a, 1, 0, testing.f32_bits(1e-5)]) != 0
 
 
 # ---------------------------------------------------------------- softmax
@@ -311,7 +323,7 @@ def test_softmax(kernels, tile, rows, cols, scale, alias):
         x[0, 1] = 80.0  # would overflow expf without max subtraction
     xa = tile.put(x)
     ya = xa if alias else tile.alloc(x.nbytes)
-    assert kern(tile, [xa, ya, rows, cols, kh.f32_bits(scale)]) == 0
+    assert kern(tile, [xa, ya, rows, cols, testing.f32_bits(scale)]) == 0
     z = np.float32(scale) * x.astype(np.float64)
     e = np.exp(z - z.max(axis=1, keepdims=True))
     expect = e / e.sum(axis=1, keepdims=True)
@@ -322,7 +334,7 @@ def test_softmax(kernels, tile, rows, cols, scale, alias):
 
 def test_softmax_invalid(kernels, tile):
     a = tile.put(np.ones(4, np.float32))
-    assert kernels.get("softmax")(tile, [a, a, 1, 0, kh.f32_bits(1.0)]) != 0
+    assert kernels.get("softmax")(tile, [a, a, 1, 0, testing.f32_bits(1.0)]) != 0
 
 
 # ---------------------------------------------------------------- gelu
@@ -443,7 +455,7 @@ def test_layernorm_gelu_reduce_with_folded_cast_are_bit_exact(kernels, tile, out
     x = tile.put((r.standard_normal((rows, cols)) * 3 + 1).astype(np.float32))
     g, bt = tile.put(r.standard_normal(cols).astype(np.float32)), tile.put(r.standard_normal(cols).astype(np.float32))
     y32, y8 = tile.alloc(4 * rows * cols), tile.alloc(rows * cols)
-    eps = kh.f32_bits(1e-6)
+    eps = testing.f32_bits(1e-6)
     assert kernels.get("layernorm")(tile, [x, g, bt, y32, rows, cols, eps]) == 0
     assert kernels.get("layernorm", FP8_OUT=1)(tile, [x, g, bt, y8, rows, cols, eps, out_t, so]) == 0
     np.testing.assert_array_equal(tile.read(y8, np.uint8, (rows * cols,)),
@@ -483,8 +495,8 @@ def test_single_export_and_reproducible(kernels, tmp_path):
     nm = shutil.which("nm")
     (tmp_path / "x").mkdir()
     (tmp_path / "y").mkdir()
-    p1 = kh.compile_kernel("softmax", tmp_path / "x", {})
-    p2 = kh.compile_kernel("softmax", tmp_path / "y", {})
+    p1 = testing.compile_builtin("softmax", tmp_path / "x")
+    p2 = testing.compile_builtin("softmax", tmp_path / "y")
     assert p1.read_bytes() == p2.read_bytes()
     if nm:
         for name, defs in [("softmax", {}), ("matmul", {"A_TYPE": F143, "B_TYPE": F152})]:
@@ -497,11 +509,12 @@ def test_single_export_and_reproducible(kernels, tmp_path):
 # ---------------------------------------------------------------- the checked build
 
 CHECKED = {"IPU_CHECKED": 1}
+TILE_BYTES = testing.TileMemory().mem.size
 
 
 def _checked(kernels, name, **defines):
     k = kernels.get(name, **defines, **CHECKED)
-    k.set_tile(kh.TILE_BYTES)
+    k.set_tile(TILE_BYTES)
     return k
 
 
@@ -519,12 +532,12 @@ def _valid_calls(tile):
         ("copy", {}, [x, y, 4, 32, 64, 32]),
         ("gelu", {}, [x, y, 64]),
         ("gelu", {"FP8_OUT": 1}, [x, y, 64, F143, 0]),
-        ("layernorm", {}, [x, g, g, y, 4, 16, kh.f32_bits(1e-5)]),
-        ("layernorm", {"FP8_OUT": 1}, [x, g, g, y, 4, 16, kh.f32_bits(1e-5), F143, 0]),
+        ("layernorm", {}, [x, g, g, y, 4, 16, testing.f32_bits(1e-5)]),
+        ("layernorm", {"FP8_OUT": 1}, [x, g, g, y, 4, 16, testing.f32_bits(1e-5), F143, 0]),
         ("matmul", {"A_TYPE": F143, "B_TYPE": F143}, [q, q, y, 4, 8, 8, 0, 0, 0, g]),
         ("matmul", {"A_TYPE": F143, "B_TYPE": F143, "FP8_OUT": 1}, [q, q, y, 4, 8, 8, 0, 0, 0, g, F143, 0]),
         ("reduce", {}, [y, 16, 2, x, x + 64]),
-        ("softmax", {}, [x, y, 4, 16, kh.f32_bits(1.0)]),
+        ("softmax", {}, [x, y, 4, 16, testing.f32_bits(1.0)]),
     ]
 
 
@@ -532,11 +545,11 @@ def _valid_calls(tile):
 def test_checked_kernels_compute_what_the_unchecked_ones_do(kernels, case):
     memories = []
     for build in ({}, CHECKED):
-        tile = kh.TileMemory()
+        tile = testing.TileMemory()
         name, defines, args = _valid_calls(tile)[case]
         k = kernels.get(name, **defines, **build)
         if build:
-            k.set_tile(kh.TILE_BYTES)
+            k.set_tile(TILE_BYTES)
         assert k(tile, args) == 0
         memories.append(tile.mem)
     np.testing.assert_array_equal(*memories)
@@ -545,17 +558,17 @@ def test_checked_kernels_compute_what_the_unchecked_ones_do(kernels, case):
 @pytest.mark.parametrize("case", range(12))
 @pytest.mark.parametrize("where", ["past the tile", "outside the data map", "no tile size"])
 def test_checked_kernels_refuse_a_buffer_outside_data_memory_and_touch_nothing(kernels, case, where):
-    tile = kh.TileMemory()
+    tile = testing.TileMemory()
     name, defines, args = _valid_calls(tile)[case]
     k = kernels.get(name, **defines, **CHECKED)
     # a data map that holds everything but the first buffer: [its end, end of memory)
     at = 0x100
-    tile.write(at, np.array([1, args[0] + 4096, kh.TILE_BYTES], np.uint32))
+    tile.write(at, np.array([1, args[0] + 4096, TILE_BYTES], np.uint32))
     if where == "past the tile":
-        args = [kh.TILE_BYTES - 2, *args[1:]]
-        k.set_tile(kh.TILE_BYTES)
+        args = [TILE_BYTES - 2, *args[1:]]
+        k.set_tile(TILE_BYTES)
     elif where == "outside the data map":
-        k.set_tile(kh.TILE_BYTES, at)
+        k.set_tile(TILE_BYTES, at)
     else:
         k.set_tile(0)
     before = tile.mem.copy()
@@ -579,7 +592,7 @@ def test_checked_kernels_refuse_a_buffer_outside_data_memory_and_touch_nothing(k
 ])
 def test_checked_kernels_say_why_they_refuse_their_arguments(kernels, name, defines, args, code, reason):
     k = _checked(kernels, name, **defines)
-    assert k(kh.TileMemory(), args) == code
+    assert k(testing.TileMemory(), args) == code
     assert k.reason() == reason
 
 

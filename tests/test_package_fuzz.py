@@ -32,7 +32,7 @@ from ipubuild.errors import PackageError, UserError
 from ipubuild.package import FORMAT_VERSION, HEADER, MAX_DEPTH, Package, summarize
 from ipubuild.planning import codegen
 
-from kernel_harness import compile_kernel
+from ipubuild.testing import compile_builtin
 from test_package import CODE, DATA, MACHINE, MEM, header, make
 
 DEEP = "@@deep@@"          # a value that the encoder replaces by deeply nested brackets
@@ -138,7 +138,7 @@ def copy_package(kernel: bytes):
 
 @pytest.fixture(scope="module")
 def copy_kernel(tmp_path_factory) -> bytes:
-    return compile_kernel("copy", tmp_path_factory.mktemp("kernels")).read_bytes()
+    return compile_builtin("copy", tmp_path_factory.mktemp("kernels")).read_bytes()
 
 
 @pytest.fixture(scope="module")

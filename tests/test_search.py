@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 from ipubuild import canonical
 from ipubuild.build import build_in_process
@@ -181,3 +183,130 @@ def test_initial_layout_lets_elementwise_operations_follow_their_producers():
     for op in sc.graph.ops:
         if registry().get(op.type).follows == "elements" and any("follow" in p for p in sc.plans[op.id]):
             assert "follow" in sc.plans[op.id][layout["ops"][str(op.id)]["plan"]], op.name
+
+
+# observability for heuristic authors ------------------------------------------------------------
+def test_screening_counts_each_heuristic_and_each_reason():
+    from ipubuild.search import (HEURISTIC_COUNTS, INVALID_REASONS, Changes, Heuristic, screen_round)
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    odd = Heuristic("odd", lambda lay, c: [Changes(casts=(1,)), Changes(plans=((0, 10**6),)),
+                                            Changes(plans=((0, lay["ops"]["0"]["plan"]),)), Changes(boundaries=((0, 1),))])
+    found = heuristics() + [odd, Heuristic("quiet", lambda lay, c: [])]
+    proposals = [(h.name, ch) for h in found for ch in h.propose(layout, sc)]
+    s = screen_round(proposals, layout, sc, {canonical.digest_of(layout)}, 3, [h.name for h in found])
+    assert sum(s.counts.values()) == len(proposals)
+    assert sum(s.invalid.values()) == s.counts["invalid"] and set(s.invalid) == set(INVALID_REASONS)
+    assert set(s.heuristics) == {h.name for h in found} and s.heuristics["quiet"]["proposed"] == 0
+    assert {k: s.heuristics["odd"][k] for k in ("proposed", "inexpressible", "out_of_range", "unchanged", "fit")} \
+        == {"proposed": 4, "inexpressible": 1, "out_of_range": 1, "unchanged": 1, "fit": 1}
+    for name, c in s.heuristics.items():
+        assert set(c) == set(HEURISTIC_COUNTS)
+        assert c["proposed"] == c["unscreened"] + c["fit"] + sum(c[r] for r in INVALID_REASONS), name
+        assert c["fit"] >= c["visited"] + c["deduplicated"] + c["cheaper"] and c["cheaper"] >= c["shortlisted"]
+    assert sum(c["proposed"] for c in s.heuristics.values()) == len(proposals)
+    assert sum(c["shortlisted"] for c in s.heuristics.values()) == s.counts["shortlisted"] == len(s.shortlist)
+    for pid, lay, ch, name in s.shortlist:
+        h, _, i = pid.partition("#")
+        assert h == name and [c for n, c in proposals if n == name][int(i)] is ch
+
+
+def test_screening_beyond_its_budget_counts_each_heuristics_unscreened_proposals(monkeypatch):
+    import collections
+
+    from ipubuild import search
+    from ipubuild.estimator import Baseline
+    sc = _vit_context()     # a fresh estimator: the budget counts the estimates it computes
+    layout = initial_layout(sc, heuristics())
+    found = heuristics()
+    proposals = [(h.name, ch) for h in found for ch in h.propose(layout, sc)]
+    weights = [search._weight(ch, Baseline(sc.estimator, layout)) for _, ch in proposals]
+    monkeypatch.setattr(search, "SCREEN_BUDGET", 5)
+    s = search.screen_round(proposals, layout, sc, {canonical.digest_of(layout)}, 3, [h.name for h in found])
+    n = s.counts["unscreened"]
+    assert 0 < n < len(proposals) and sum(s.counts.values()) == len(proposals)
+    # the costliest first: the proposals left are the last of that order, each counted for its heuristic
+    ranked = sorted(range(len(proposals)), key=lambda i: (-weights[i], i))
+    left = collections.Counter(proposals[i][0] for i in ranked[len(ranked) - n:])
+    assert {name: c["unscreened"] for name, c in s.heuristics.items() if c["unscreened"]} == dict(left)
+    for name, c in s.heuristics.items():
+        assert c["proposed"] == c["unscreened"] + c["fit"] + sum(c[r] for r in search.INVALID_REASONS), name
+    shown = search._by_heuristic(s.heuristics, ("proposed", "fit", "cheaper", "shortlisted"))
+    name = next(iter(left))
+    assert f" unscreened={left[name]} " in shown[name], shown[name]
+
+
+def test_the_earliest_proposal_of_a_layout_speaks_for_it_in_whatever_order_screening_takes():
+    from ipubuild.estimator import Baseline
+    from ipubuild.search import Changes, _weight, screen_round
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    base = Baseline(sc.estimator, layout)
+    costly = max(base.terms, key=lambda i: base.terms[i].cycles if base.terms[i] else -1)
+    cheaper = None
+    for h in heuristics():
+        for ch in h.propose(layout, sc):
+            if len(ch.plans) != 1 or ch.boundaries or ch.plans[0][0] == costly:
+                continue
+            changed = ch.apply(layout, sc.plans, sc.tile_count)
+            e, fits = base.compare(changed) if changed is not None else (None, False)
+            if fits and e < base.total:
+                cheaper = ch
+                break
+        if cheaper:
+            break
+    assert cheaper is not None, "no single re-plan the estimate finds cheaper"
+    # the same layout, through a change that also names the costliest operation (at its offset):
+    # screening takes it first
+    louder = Changes(plans=cheaper.plans, boundaries=((costly, layout["ops"][str(costly)]["offset"]),))
+    assert _weight(louder, base) > _weight(cheaper, base)
+    for first, second in (("quiet", cheaper), ("loud", louder)), (("loud", louder), ("quiet", cheaper)):
+        s = screen_round([first, second], layout, sc, set(), 3)
+        assert [(pid, name) for pid, _, _, name in s.shortlist] == [(f"{first[0]}#0", first[0])]
+        assert s.counts["deduplicated"] == 1 and s.counts["shortlisted"] == 1
+        assert {k: s.heuristics[first[0]][k] for k in ("fit", "cheaper", "deduplicated", "shortlisted")} == \
+            {"fit": 1, "cheaper": 1, "deduplicated": 0, "shortlisted": 1}
+        assert {k: s.heuristics[second[0]][k] for k in ("fit", "cheaper", "deduplicated", "shortlisted")} == \
+            {"fit": 1, "cheaper": 0, "deduplicated": 1, "shortlisted": 0}
+
+
+def test_heuristic_names_are_identifiers_and_unique(tmp_path, monkeypatch):
+    from ipubuild.errors import UserError
+    for i, names in enumerate((["has space"], ["round"], ["twice", "twice"])):
+        mod = f"heuristic_names_{i}"
+        (tmp_path / f"{mod}.py").write_text(
+            "from ipubuild import hookimpl\nfrom ipubuild.search import Heuristic\n\n\n@hookimpl\n"
+            f"def ipubuild_search_heuristics():\n    return [Heuristic(n, lambda l, c: []) for n in {names!r}]\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("IPUBUILD_PLUGINS", mod)
+        with pytest.raises(UserError, match=f"plugin {mod}: hook ipubuild_search_heuristics"):
+            heuristics()
+
+
+def test_the_search_logs_and_keeps_counts_per_heuristic(tmp_path):
+    from ipubuild.log import log
+    lines = []
+    log.listeners.append(lambda level, message, kv: lines.append((message, kv)))
+    try:
+        _, state, ws = search_result(tmp_path, workers=1)
+    finally:
+        log.listeners.pop()
+    names = {h.name for h in heuristics()}
+    screened = [kv for m, kv in lines if m == "screened local search round"]
+    counted = [kv for m, kv in lines if m == "counted local search round by heuristic"]
+    assert screened and len(counted) == len(screened)
+    for kv in screened:
+        assert names <= set(kv) and all(kv[n].startswith('"proposed=') for n in names)
+        assert kv["invalid"] == sum(kv[r] for r in ("inexpressible", "out_of_range", "unchanged", "unfollowable",
+                                                    "over_memory"))
+    for kv in counted:
+        assert all(" evaluated=" in kv[n] and " accepted=" in kv[n] for n in names)
+    evaluated = [kv for m, kv in lines if m == "evaluated local candidate" and "#" in str(kv["proposal"])]
+    assert evaluated and all(str(kv["proposal"]).split("#")[0] in names for kv in evaluated)
+    sums = state["heuristics"]
+    assert set(sums) == names
+    accepted = [h for h in state["history"] if h["round"] > 0]
+    assert sum(c["accepted"] for c in sums.values()) == len(accepted)
+    assert sum(c["evaluated"] for c in sums.values()) == len(evaluated)     # (the tile mapping's is no heuristic's)
+    for h in accepted:
+        assert h["heuristic"] in names and h["proposal"].startswith(h["heuristic"] + "#")

@@ -62,7 +62,7 @@ def test_real_target_loads(monkeypatch):
     assert t["path"] == "targets/vit_fp8.toml"
     assert t["target"] == {"tile_count": 64, "machine": "ipu21", "device": "ipumodel", "seed": 0}
     assert t["model"] == {
-        "family": "vit", "image_size": 224, "channels": 3, "patch": 16, "width": 192,
+        "family": "vit", "passes": [], "image_size": 224, "channels": 3, "patch": 16, "width": 192,
         "heads": 3, "mlp": 768, "blocks": 1, "classes": 1000,
     }
     assert t["casts"] == {
@@ -111,7 +111,7 @@ def test_defaults_filled_and_order(in_tmp):
     rel = _write(in_tmp, "[target]\ntile_count = 1\n[model]\nfamily = 'vit'\n", "min.toml")
     t = load_target(rel)
     assert t["target"] == {"tile_count": 1, "machine": "ipu21", "device": "ipumodel", "seed": 0}
-    assert t["model"] == {"family": "vit"}
+    assert t["model"] == {"family": "vit", "passes": []}
     assert t["casts"]["storage"] == {"default": "separate", "operators": {}, "sites": {}}
     assert t["search"]["proposals"] == 640
     assert list(t["search"]) == list(CORE_SCHEMA["search"])

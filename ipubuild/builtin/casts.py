@@ -1,38 +1,27 @@
 """The built-in FP8 cast policies: matmul operands in F143 (default) or F152, each tensor with a
-power-of-two scale chosen from its absolute maximum on the target's example input. Where the
-producer of an activation can write FP8 itself (and every reader wants it in FP8), the cast is
-folded into the producer's kernel — no separate step, no sync — for the operator types the
-target's ``casts.fuse`` lists (by default every one that can)."""
+power-of-two scale chosen from its absolute maximum on the target's example input. Then the
+``fold_casts`` graph pass (after casts, for every target): where the producer of an activation
+can write FP8 itself (and every reader wants it in FP8), the cast is folded into the producer's
+kernel — no separate step, no sync — for the operator types the target's ``casts.fuse`` lists
+(by default every one that can)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import fp8, hookimpl
-from ..ir import CastStoragePolicy, Graph, Op
+from ..ir import FP8, CastStoragePolicy, Graph, Op
 from ..operators import registry
+from ..passes import GraphPass, prune
 from ..targets import CAST_FUSIBLE
 
 #: operators whose listed inputs are cast to FP8 (by input position)
 FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context": (0, 1)}
 
 
-def _fold(graph: Graph, producer: Op | None, vid: int, fmt: str, fuse) -> bool:
-    """Whether the cast of ``vid`` to ``fmt`` can be folded into its producer: the policy
-    allows it for the producer's operator, the operator can write ``fmt``, and every reader of
-    ``vid`` wants it in FP8 (none needs the f32 value, and it is not a graph output)."""
-    if producer is None or producer.type not in fuse or vid in graph.outputs or producer.outputs != [vid]:
-        return False
-    if not registry().get(producer.type).fuses_cast(graph, producer, fmt):
-        return False
-    readers = [(op, i) for op in graph.ops for i, v in enumerate(op.inputs) if v == vid]
-    return all(i in FP8_OPERANDS.get(op.type, ()) for op, i in readers)
-
-
 def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: str) -> CastStoragePolicy:
-    """Cast every FP8 operand: constants are stored in FP8 directly; an activation's producer
-    writes FP8 itself where the cast can be folded into it (see ``_fold``), else the
-    activation gets a cast op right after its producer. Scales come from calibration on the
-    example inputs."""
+    """Cast every FP8 operand: constants are stored in FP8 directly; an activation gets a cast
+    op right after its producer (the ``fold_casts`` pass then folds it into the producer where
+    it can). Scales come from calibration on the example inputs."""
     from ..frontend import float_values
     calibrated = float_values(graph, constants, inputs)
 
@@ -42,7 +31,6 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
         return fp8.scale_exp_for(float(np.nanmax(np.abs(calibrated[vid]))), fmt)
 
     casts: dict[int, int] = {}
-    fuse = set(params.get("fuse", CAST_FUSIBLE))
     producer_index = {v: i for i, op in enumerate(graph.ops) for v in op.outputs}
     for op in list(graph.ops):
         for pos in FP8_OPERANDS.get(op.type, ()):
@@ -55,12 +43,6 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
                 constants[vid] = fp8.encode(constants[vid], fmt, s)
                 v.dtype, v.scale_exp = fmt, s
                 continue
-            producer = graph.ops[producer_index[vid]] if vid in producer_index else None
-            if vid not in casts and _fold(graph, producer, vid, fmt, fuse):
-                s = scale(vid)
-                producer.attrs.update(to=fmt, scale_exp=s)
-                v.dtype, v.scale_exp = fmt, s
-                casts[vid] = vid
             if vid not in casts:
                 s = scale(vid)
                 out = graph.value(f"{v.name}.{fmt}", v.shape, fmt, s)
@@ -69,18 +51,48 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
                 producer_index = {v2: i for i, o in enumerate(graph.ops) for v2 in o.outputs}
                 casts[vid] = out
             op.inputs[pos] = casts[vid]
-    reg = registry()
-    for op in graph.ops:   # re-infer: operand dtypes changed
-        for vid, (shape, dtype, s) in zip(op.outputs, reg.get(op.type).infer_types(graph, op)):
-            graph.values[vid].shape, graph.values[vid].dtype = tuple(shape), dtype
-            if op.type != "cast":
-                graph.values[vid].scale_exp = s
+    graph.infer()   # operand dtypes changed
     st = params.get("storage", {})
     return CastStoragePolicy(st.get("default", "separate"), dict(st.get("operators", {})),
                              dict(st.get("sites", {})))
+
+
+def fold_casts(model, target) -> None:
+    """Fold each cast to FP8 into the operation that produces its input — no separate step, no
+    sync — where the target's ``casts.fuse`` lists that operator, the operator can write the
+    FP8 format itself (``Operator.fuses_cast``) and nothing else needs the f32 value (no other
+    reader, not a graph output). Bit-exact: the producer's kernel encodes as the cast would."""
+    g = model.graph
+    fuse = set(target.get("casts", {}).get("fuse", CAST_FUSIBLE))
+    producer, readers, reg = g.producer(), g.consumers(), registry()
+    folded = []
+    for cast in g.ops:
+        fmt = cast.attrs.get("to")
+        if cast.type != "cast" or fmt not in FP8:
+            continue
+        vid = cast.inputs[0]
+        p = producer.get(vid)
+        if p is None or p.type not in fuse or vid in g.outputs or p.outputs != [vid] or readers[vid] != [cast] \
+                or not reg.get(p.type).fuses_cast(g, p, fmt):
+            continue
+        s = cast.attrs.get("scale_exp", 0)
+        p.attrs.update(to=fmt, scale_exp=s)
+        g.values[vid].dtype, g.values[vid].scale_exp = fmt, s
+        folded.append(cast)
+    for cast in folded:
+        g.replace_uses(cast.outputs[0], cast.inputs[0])
+    if folded:
+        g.ops = [op for op in g.ops if all(op is not c for c in folded)]
+        prune(model)
+        g.infer()
 
 
 @hookimpl
 def ipubuild_cast_policies():
     return {"f143": lambda g, c, i, p: place_casts(g, c, i, p, "f143"),
             "f152": lambda g, c, i, p: place_casts(g, c, i, p, "f152")}
+
+
+@hookimpl
+def ipubuild_graph_passes():
+    return [GraphPass("fold_casts", fold_casts, stage="cast", order=100, default=True)]

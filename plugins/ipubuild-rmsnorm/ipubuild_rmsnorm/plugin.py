@@ -1,6 +1,7 @@
 """The hooks of the ipubuild-rmsnorm plugin: the ``rmsnorm`` operator and its C kernel, the
-``vit_rms`` model family (a ViT with RMSNorm in place of LayerNorm) and the ``rmsnorm_follow``
-layout-search heuristic. The ``ipubuild`` entry point names this module."""
+``layernorm_to_rmsnorm`` graph pass, the ``vit_rms`` model family (a ViT with RMSNorm in place
+of LayerNorm), the ``rmsnorm_follow`` layout-search heuristic and the ``vit_rms_small`` target.
+The ``ipubuild`` entry point names this module."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,11 +9,15 @@ from pathlib import Path
 import numpy as np
 
 from ipubuild import hookimpl
+from ipubuild.log import get_logger
 from ipubuild.operators import (KernelVariant, Lowering, Operator, TileWork, ceil_div, f32_bits,
                                 key, split)
+from ipubuild.passes import GraphPass
 from ipubuild.search import Changes, Heuristic
 
 KERNEL_SOURCE = Path(__file__).resolve().parent / "rmsnorm.c"
+TARGETS = Path(__file__).resolve().parent / "targets"
+log = get_logger("ipubuild_rmsnorm")
 
 
 # the cycle estimator: cycles(args, machine) of one rmsnorm_f32 vertex -------------------------
@@ -82,12 +87,23 @@ def ipubuild_operators():
     return [RMSNorm()]
 
 
+# the graph pass --------------------------------------------------------------------------------
+def layernorm_to_rmsnorm(model, target):
+    """Replace each layer normalisation by an RMSNorm with the same scale (gamma) and eps; its
+    shift (beta) is dropped, and the built-in prune pass removes the unused constant."""
+    g = model.graph
+    for op in g.ops:
+        if op.type == "layernorm":
+            x, gamma, _beta = op.inputs
+            g.replace_op(op, "rmsnorm", [x, gamma], eps=op.attrs["eps"])
+
+
+@hookimpl
+def ipubuild_graph_passes():
+    return [GraphPass("layernorm_to_rmsnorm", layernorm_to_rmsnorm, stage="float")]
+
+
 # the model family ------------------------------------------------------------------------------
-def rms_norm(graph, x, name, width, const):
-    """The ``norm`` callback of ``build_vit``: RMSNorm with a learned scale, no shift."""
-    return graph.add("rmsnorm", [x, const(f"{name}.gamma", (width,), 0.1, 1.0)], name=name, eps=1e-6)
-
-
 @hookimpl
 def ipubuild_model_families():
     return ["vit_rms"]
@@ -98,27 +114,43 @@ def ipubuild_build_model(family, params, seed, where):
     if family != "vit_rms":
         return None
     from ipubuild.builtin.vit import build_vit, vit_params
-    return build_vit(vit_params(params, where), seed, norm=rms_norm)
+    model = build_vit(vit_params(params, where), seed)
+    layernorm_to_rmsnorm(model, {})
+    return model
+
+
+# the targets it ships --------------------------------------------------------------------------
+@hookimpl
+def ipubuild_targets():
+    return sorted(TARGETS.glob("*.toml"))
 
 
 # the search heuristic --------------------------------------------------------------------------
 def rmsnorm_follow(layout, sc):
-    """Give each rmsnorm the row count (and tile offset) of its input's producer, so its rows
-    are already on the tiles that read them."""
+    """Give each rmsnorm the row count and first tile of the operation that split its input —
+    through any chain of follow plans, which run on their producer's tiles — so its rows are
+    already on the tiles that read them. That split must be whole rows on consecutive tiles: a
+    ``{"rows": n}`` plan, or a matmul's ``{"m": n, "n": 1, "k": 1}``."""
     out = []
     for op in sc.graph.ops:
         if op.type != "rmsnorm":
             continue
-        producer = sc.producer.get(op.inputs[0])
+        producer, plan = sc.producer.get(op.inputs[0]), None
+        while producer is not None:
+            chosen = layout["ops"][str(producer.id)]
+            plan = sc.plans[producer.id][chosen["plan"]]
+            if "follow" not in plan:
+                break
+            producer = sc.producer.get(producer.inputs[plan["follow"]])
         if producer is None:
             continue
-        chosen = layout["ops"][str(producer.id)]
-        plan = sc.plans[producer.id][chosen["plan"]]
-        rows = plan.get("rows", plan.get("m"))
-        mine = [p["rows"] for p in sc.plans[op.id]]
+        rows = plan.get("rows") if set(plan) == {"rows"} else \
+            plan.get("m") if (plan.get("n"), plan.get("k")) == (1, 1) else None
+        mine = [p.get("rows") for p in sc.plans[op.id]]
         if rows in mine:
             out.append(Changes(plans=((op.id, mine.index(rows)),),
                                boundaries=((op.id, chosen["offset"]),)))
+    log.info("proposed rmsnorm moves", changes=len(out))
     return out
 
 
