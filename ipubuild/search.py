@@ -16,6 +16,7 @@ import collections
 import concurrent.futures
 import dataclasses
 import multiprocessing
+import numbers
 import os
 import time
 from pathlib import Path
@@ -443,6 +444,14 @@ def _proposals(h: Heuristic, layout, sc) -> list:
         raise UserError(f"search heuristic {h.name}", f"propose raised {type(exc).__name__}: {exc}") from None
     if not isinstance(out, (list, tuple)) or not all(isinstance(c, Changes) for c in out):
         raise UserError(f"search heuristic {h.name}", "propose must return a list of ipubuild.search.Changes")
+    for i, c in enumerate(out):
+        for field in ("plans", "boundaries"):
+            pairs = getattr(c, field)
+            if not isinstance(pairs, (list, tuple)) or not all(
+                    isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, numbers.Integral) for x in p)
+                    for p in pairs):
+                raise UserError(f"search heuristic {h.name}", f"proposal {i}: Changes.{field} must be "
+                                f"((operation id, int), ...) pairs of integers, not {pairs!r:.80}")
     return list(out)
 
 

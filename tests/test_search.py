@@ -17,7 +17,7 @@ from ipubuild.machine import load_machine
 from ipubuild.pipeline import Workspace
 from ipubuild.plugins import get_plugin_manager
 from ipubuild.placement import initial_layout
-from ipubuild.search import SearchContext, heuristics, read_state, screen
+from ipubuild.search import Changes, SearchContext, heuristics, read_state, screen
 from ipubuild.targets import load_target
 
 from buildtree import SMALL, make_tree
@@ -310,3 +310,13 @@ def test_the_search_logs_and_keeps_counts_per_heuristic(tmp_path):
     assert sum(c["evaluated"] for c in sums.values()) == len(evaluated)     # (the tile mapping's is no heuristic's)
     for h in accepted:
         assert h["heuristic"] in names and h["proposal"].startswith(h["heuristic"] + "#")
+
+
+@pytest.mark.parametrize("changes", [Changes(plans=(5,)), Changes(boundaries=((1, "3"),)), Changes(plans=[(1, 2, 3)])])
+def test_a_malformed_proposal_is_one_line_naming_the_heuristic(changes):
+    from ipubuild.errors import UserError
+    from ipubuild.search import Heuristic, _proposals
+    with pytest.raises(UserError) as e:
+        _proposals(Heuristic("broken", lambda layout, sc: [Changes(plans=((0, 1),)), changes]), {"ops": {}}, None)
+    assert str(e.value).startswith("search heuristic broken: proposal 1: Changes.")
+    assert "\n" not in str(e.value)
