@@ -206,5 +206,7 @@ def test_a_tampered_output_file_is_restored_before_the_verdict(tmp_path):
     path.write_bytes(good[:1000] + bytes([good[1000] ^ 0xFF]) + good[1001:])
     rc, log = doit(tree, "build:small")
     assert rc == 0 and "numericalTest=PASS" in log, log[-3000:]
-    assert executed(log) == []          # restored from the cache by the up-to-date check
+    # restored from the cache by the up-to-date check, or (when the file changed within a second
+    # of its build, too recently for its stat key to be trusted) by re-running write_package
+    assert set(executed(log)) <= {"write_package:small", "build:small"}, executed(log)
     assert path.read_bytes() == good

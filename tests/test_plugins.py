@@ -137,7 +137,11 @@ def test_the_device_interface_is_the_same_in_the_code_the_hookspec_and_the_docs(
     from ipubuild import hookspecs
     from ipubuild.builtin.simulator import Simulator
     root = Path(__file__).resolve().parent.parent
-    assert list(inspect.signature(Simulator.run).parameters) == ["self", "package", "inputs", "workdir"]
+    params = inspect.signature(Simulator.run).parameters
+    assert list(params)[:4] == ["self", "package", "inputs", "workdir"]
+    # anything more is optional (``probes``: a backend that can read operations' outputs back)
+    assert all(p.default is not inspect.Parameter.empty for p in list(params.values())[4:])
+    assert list(params)[4:] == ["probes"] and "``probes``" in hookspecs.ipubuild_device_backends.__doc__
     assert "run(package: bytes,\n    inputs: dict[str, numpy array], workdir: Path)" in hookspecs.ipubuild_device_backends.__doc__
     for doc in ("docs/plugins.md", "docs/reference.md"):
         text = (root / doc).read_text()
