@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from . import canonical, tensors
+from .builtin.simulator import Simulator, _input_bytes, _Plan, _row, run_exchange, tell_tile
 from .engine import phase
 from .errors import UserError
 from .kernels import COUNT_FLAGS, counting
@@ -53,9 +54,7 @@ def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path, tile
             raise UserError(f"kernel {name}", f"cannot load its counted object: {exc}") from None
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
-        if hasattr(lib, "ipu_tile_bytes"):
-            ctypes.c_uint32.in_dll(lib, "ipu_tile_bytes").value = tile_bytes
-            ctypes.c_uint32.in_dll(lib, "ipu_tile_map").value = map_at
+        tell_tile(lib, tile_bytes, map_at)
         out[name] = (_counting(fn), why)
     return out
 
@@ -77,7 +76,6 @@ def _executed(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes] | None
     """Run the program of ``pkg`` (a ``Package``) on the host, one vertex after another in
     program order: yield ``(kernel, args, call)`` for every vertex call, in order, and the caller
     makes the ``call()`` (with ``counted``, see ``_counted_kernels``)."""
-    from .builtin.simulator import Simulator, _input_bytes, _Plan, _row, run_exchange
 
     class Host(Simulator):
         def _load_kernels(self, pkg, workdir, tile_bytes, map_at):

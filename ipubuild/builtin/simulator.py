@@ -179,13 +179,21 @@ class Simulator:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
             why = None
-            if hasattr(lib, "ipu_tile_bytes") and hasattr(lib, "ipu_trap_reason"):
-                ctypes.c_uint32.in_dll(lib, "ipu_tile_bytes").value = tile_bytes
-                ctypes.c_uint32.in_dll(lib, "ipu_tile_map").value = map_at
+            if tell_tile(lib, tile_bytes, map_at) and hasattr(lib, "ipu_trap_reason"):
                 why = lib.ipu_trap_reason
                 why.restype, why.argtypes = ctypes.c_char_p, []
             out[name] = (fn, why)
         return out
+
+
+def tell_tile(lib, tile_bytes: int, map_at: int) -> bool:
+    """Tell a loaded kernel object, if it is a checked build (it exports ``ipu_tile_bytes``),
+    the tile's size and where its data map lies; whether it is one."""
+    if not hasattr(lib, "ipu_tile_bytes"):
+        return False
+    ctypes.c_uint32.in_dll(lib, "ipu_tile_bytes").value = tile_bytes
+    ctypes.c_uint32.in_dll(lib, "ipu_tile_map").value = map_at
+    return True
 
 
 class _Plan:
