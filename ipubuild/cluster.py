@@ -478,7 +478,7 @@ def _run_calls(payload: dict) -> dict:
         if engine.action_key(ph, call["inputs"], call["config"]) != call["key"]:
             out.append({"mismatch": _parts(engine, ph, call["config"])})
             continue
-        if call["phase"] == "compile_kernel":
+        if call["phase"] in ("compile_kernel", "compile_counted_kernel"):     # what they compile with
             theirs = _compiler_identity(call["config"]["compiler"]["cc"])
             if theirs != call["config"]["compiler"]["identity"]:
                 out.append({"mismatch": {"compiler": theirs.get("version") or str(theirs)}})

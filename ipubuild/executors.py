@@ -1,7 +1,7 @@
 """Where a build's independent pieces of work run: here (the default), or on a Dask cluster.
 
 Three places hand out independent, content-addressed work: ``build_tile_images`` (the
-``build_tile_image`` sub-phase per tile), ``compile_kernels`` (``compile_kernel`` per variant) and
+``build_tile_image`` sub-phase per tile), ``compile_kernels`` (``compile_kernel`` and ``compile_counted_kernel`` per variant) and
 the layout search (the exact evaluation of each shortlisted candidate). They go through
 ``run_phases`` and ``evaluate_candidates``, which run the work here exactly as before — unless
 ``$IPUBUILD_SCHEDULER`` names a Dask scheduler (``tcp://host:8786``). Then the work is sent to

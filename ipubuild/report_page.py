@@ -85,7 +85,7 @@ def _kernels(d: dict) -> str:
 def _kernels_note(d: dict) -> str:
     k = d["kernels"]
     if not k["kernels"]:
-        return "No kernel figures: the build measured none."
+        return " ".join(["No kernel figures: the build measured none.", *(f"Note: {html.escape(n)}." for n in k["notes"])])
     parts = ["Per kernel variant: the cycles its estimator gives the cost model (which does not read the code), "
              f"and what the compiled code did: {html.escape(k['measure'])}. The count is the same on every run, so a kernel "
              "edit shows here after a rebuild that plans nothing again. Host time varies from run to run and is "

@@ -220,7 +220,7 @@ INVALID_REASONS = ("inexpressible", "out_of_range", "unchanged", "unfollowable",
 HEURISTIC_COUNTS = ("proposed", "unscreened", *INVALID_REASONS, "fit", "visited", "deduplicated", "cheaper",
                     "shortlisted", "evaluated", "improved", "accepted")
 #: the keys of the round's log lines, which a heuristic's name cannot be
-RESERVED_NAMES = ("round", "invalid", "not_cheaper", "truncated", *HEURISTIC_COUNTS)
+RESERVED_NAMES = ("message", "self", "round", "invalid", "not_cheaper", "truncated", *HEURISTIC_COUNTS)
 
 
 def _well_named(h) -> bool:

@@ -131,10 +131,11 @@ def compile_source(source, out_dir=None, defines=(), *, werror: bool = True, nam
 _loaded: dict = {}
 
 
-def load_variant(variant, out_dir=None, *, werror: bool = True) -> Kernel:
+def load_variant(variant, out_dir=None, *, werror: bool = True, checked: bool = False) -> Kernel:
     """A kernel variant compiled and loaded (once per process for the same source, defines and
     flags): a :class:`ipubuild.operators.KernelVariant`, or the name of one some registered
-    operator declares (built-in, installed or on ``$IPUBUILD_PLUGINS``)."""
+    operator declares (built-in, installed or on ``$IPUBUILD_PLUGINS``). ``checked``: the
+    checked build a device runs (``-DIPU_CHECKED=1``), told a whole tile (``set_tile``)."""
     if isinstance(variant, str):
         from .operators import registry
         kernels = registry().kernels
@@ -144,12 +145,15 @@ def load_variant(variant, out_dir=None, *, werror: bool = True) -> Kernel:
         variant = kernels[variant]
     if not isinstance(variant, KernelVariant):
         raise TypeError(f"load_variant takes a KernelVariant or its name, not {type(variant).__name__}")
-    from .kernels import compiler
-    key = (str(Path(variant.source).resolve()), tuple(variant.defines), compiler(), werror,
-           Path(variant.source).stat().st_mtime_ns)
+    from .kernels import CHECKED, compiler
+    defines = (*variant.defines, CHECKED) if checked else tuple(variant.defines)
+    key = (str(Path(variant.source).resolve()), defines, compiler(), werror, Path(variant.source).stat().st_mtime_ns)
     if key not in _loaded:
-        path = compile_source(variant.source, out_dir, variant.defines, werror=werror, name=variant.name)
+        path = compile_source(variant.source, out_dir, defines, werror=werror,
+                              name=variant.name + ("_checked" if checked else ""))
         _loaded[key] = Kernel(path, variant.name)
+        if checked:
+            _loaded[key].set_tile(TileMemory().mem.size)
     return _loaded[key]
 
 
@@ -171,7 +175,7 @@ class VertexRun:
 def run_vertex(kernel: Kernel, args: list, reads=(), writes=(), *, offset: int = 0,
                tile: TileMemory | None = None) -> VertexRun:
     """Run one vertex: place each array of ``reads`` in a tile memory (``offset`` bytes past
-    an aligned address: kernels must take unaligned data), allocate each ``(shape, dtype)`` of
+    an aligned address: a plain build must take unaligned data, a checked one refuses it), allocate each ``(shape, dtype)`` of
     ``writes``, resolve ``("r", i, byte_offset)`` / ``("w", i, byte_offset)`` arguments to their
     addresses (as ``Operator.lower``'s vertices give them) and call the kernel. A dtype is an
     ipubuild dtype name (``f32``, ``f16``, ``f143``, ``f152``) or a numpy dtype."""

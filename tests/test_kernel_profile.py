@@ -120,6 +120,8 @@ def test_a_target_that_does_not_count_its_kernels_compiles_and_runs_them_once(bu
     k = _kernels(tree)
     assert k["kernels"] == {} and len(k["notes"]) == 1, k
     assert "kernel_counts = 'off'" in k["notes"][0] and 'set it to "on"' in k["notes"][0]
+    page = (tree / "artifacts" / NAME / f"{NAME}.profile.html").read_text(encoding="utf-8")
+    assert "kernel_counts = &#x27;off&#x27;" in page, "the page says how to switch the counts on"
 
 
 # --- the estimators beside the kernels --------------------------------------------------------

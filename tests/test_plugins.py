@@ -178,6 +178,21 @@ def test_testing_runs_a_vertex_as_lower_writes_it_and_reports_compile_errors(tmp
     assert testing.compile_source(warns, tmp_path, werror=False).is_file()
 
 
+def test_testing_gives_the_checked_build_the_device_runs():
+    import numpy as np
+
+    from ipubuild import testing
+    checked = testing.load_variant("add_f32", checked=True)
+    assert checked is not testing.load_variant("add_f32")
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    args = [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), 3, 4, 1]
+    ok = testing.run_vertex(checked, args, reads=[a, a[:1]], writes=[((3, 4), "f32")])
+    assert ok.status == 0 and np.array_equal(ok.outputs[0], a + a[:1])
+    # a misaligned buffer, which the plain build takes, the checked one refuses and says why
+    assert testing.run_vertex(checked, args, reads=[a, a[:1]], writes=[((3, 4), "f32")], offset=3).status == 4
+    assert checked.reason() == "a[rows*cols] is not aligned to its element size"
+
+
 def test_testing_builds_a_target_in_process_with_overrides(tmp_path):
     from buildtree import SMALL
 
