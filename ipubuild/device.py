@@ -36,9 +36,15 @@ class DeviceRun:
 @contextlib.contextmanager
 def device_ownership(name: str):
     """Hold the device's lock file for the duration (``$IPUBUILD_DEVICE_LOCK_DIR`` or /tmp)."""
-    path = Path(os.environ.get("IPUBUILD_DEVICE_LOCK_DIR") or tempfile.gettempdir()) / f"ipubuild-{name}-device.lock"
+    folder = Path(os.environ.get("IPUBUILD_DEVICE_LOCK_DIR") or tempfile.gettempdir())
+    path = folder / f"ipubuild-{name}-device.lock"
     log.info("waiting for hardware ownership", path=path)
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)   # read-only: another user's lock file works too
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)   # read-only: another user's lock file works too
+    except OSError as exc:
+        raise UserError("IPUBUILD_DEVICE_LOCK_DIR", f"cannot create the device's lock file {path}: "
+                        f"{exc.strerror or exc}; point it at a writable folder") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         log.info("acquired hardware ownership", path=path)

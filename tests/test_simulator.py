@@ -209,3 +209,17 @@ def test_probes_read_each_value_after_the_step_that_wrote_it(checked, tmp_path, 
     run = Simulator().run(pkg, {}, tmp_path, probes={0: [probe]})
     np.testing.assert_array_equal(run.values["v1"], 2 * x)
     np.testing.assert_array_equal(run.outputs["x"], 4 * x.reshape(-1))
+
+
+def test_the_device_lock_folder_is_made_or_named_in_one_line(tmp_path, monkeypatch):
+    from ipubuild.device import device_ownership
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(tmp_path / "not" / "yet"))
+    with device_ownership("ipumodel") as path:
+        assert path == tmp_path / "not" / "yet" / "ipubuild-ipumodel-device.lock" and path.exists()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("IPUBUILD_DEVICE_LOCK_DIR", str(blocked / "below"))
+    with pytest.raises(UserError, match=r"^IPUBUILD_DEVICE_LOCK_DIR: cannot create the device's lock file .*"
+                                        r"point it at a writable folder$"):
+        with device_ownership("ipumodel"):
+            pass
