@@ -31,7 +31,6 @@ import datetime
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import socket

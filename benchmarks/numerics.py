@@ -31,8 +31,6 @@ import argparse
 import datetime
 import importlib.util
 import json
-import math
-import os
 import re
 import shutil
 import sys

@@ -127,14 +127,6 @@ class DaskCluster:
 
 
 @pytest.fixture(scope="module")
-def code(tmp_path_factory) -> Path:
-    """A snapshot of ipubuild/ that every build and every worker of this module imports."""
-    path = tmp_path_factory.mktemp("code")
-    copy_ipubuild(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def reference(code, tmp_path_factory):
     """The package and the accepted layouts of a build with no cluster."""
     tree = make_tree(tmp_path_factory.mktemp("local"))

@@ -174,13 +174,6 @@ def _source_tree(path: Path, code: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def code(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("code")
-    copy_ipubuild(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def cc(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("bin") / "cc"
     path.write_text(WRAPPER)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ipubuild import frontend, hookimpl, passes, targets
+from ipubuild import hookimpl, passes, targets
 from ipubuild.engine import PHASES
 from ipubuild.errors import UserError
 from ipubuild.frontend import Model, build_model

@@ -37,14 +37,6 @@ NAME = "small"
 
 
 @pytest.fixture(scope="module")
-def code(tmp_path_factory) -> Path:
-    """A snapshot of ipubuild/ that every build of this module imports."""
-    path = tmp_path_factory.mktemp("code")
-    copy_ipubuild(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def environ(code) -> dict:
     return env(code)
 

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import pytest
-from buildtree import assert_passed, copy_ipubuild, doit, env, make_tree, package, start
+from buildtree import assert_passed, doit, env, make_tree, package, start
 
 from ipubuild import canonical, remote
 from ipubuild.errors import UserError
@@ -601,14 +601,6 @@ def phase_lines(run) -> list[str]:
 
 def remote_warnings(run) -> list[str]:
     return [ln for ln in warnings(run.stderr) if "remote cache" in ln]
-
-
-@pytest.fixture(scope="module")
-def code(tmp_path_factory) -> Path:
-    """A snapshot of ipubuild/ that every build of this module imports."""
-    path = tmp_path_factory.mktemp("code")
-    copy_ipubuild(path)
-    return path
 
 
 @pytest.fixture(scope="module")

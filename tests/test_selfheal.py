@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from buildtree import SMALL, assert_passed, doit, env, make_tree, package, snapshot
+from buildtree import SMALL, assert_passed, doit, make_tree, package, snapshot
 
 from ipubuild import canonical
 from ipubuild.engine import PHASES, Engine, phase
