@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from . import canonical, tensors
-from .builtin.simulator import Simulator, _input_bytes, _Plan, _row, run_exchange, tell_tile
+from .builtin.simulator import Simulator, _input_bytes, _Plan, _row, load_vertex, run_exchange, tell_tile
 from .engine import phase
 from .errors import UserError
 from .kernels import COUNT_FLAGS, counting
@@ -45,15 +45,9 @@ def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path, tile
         if name not in counted:
             out[name] = (_uncounted(fn), why)
             continue
-        path = Path(workdir) / f"counted-{name}.so"
-        path.write_bytes(counted[name])
-        try:
-            lib = ctypes.CDLL(str(path))
-            fn = lib.ipu_counted_vertex
-        except (OSError, AttributeError) as exc:
-            raise UserError(f"kernel {name}", f"cannot load its counted object: {exc}") from None
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)]
+        lib, fn = load_vertex(Path(workdir) / f"counted-{name}.so", counted[name], "ipu_counted_vertex",
+                              [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)],
+                              f"kernel {name}", "cannot load its counted object")
         tell_tile(lib, tile_bytes, map_at)
         out[name] = (_counting(fn), why)
     return out

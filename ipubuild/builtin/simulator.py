@@ -169,21 +169,30 @@ class Simulator:
             if name not in declared:     # its cycle estimator is needed too
                 raise UserError(f"kernel {name}", "no installed plugin declares this kernel variant: install "
                                 "the plugins the package was built with")
-            path = Path(workdir) / f"{digest}.so"
-            path.write_bytes(pkg.kernel_object(name))
-            try:
-                lib = ctypes.CDLL(str(path))
-                fn = lib.ipu_vertex
-            except (OSError, AttributeError) as exc:
-                raise UserError(f"kernel {name}", f"the device cannot load its object: {exc}") from None
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+            lib, fn = load_vertex(Path(workdir) / f"{digest}.so", pkg.kernel_object(name), "ipu_vertex",
+                                  [ctypes.c_void_p, ctypes.c_void_p], f"kernel {name}",
+                                  "the device cannot load its object")
             why = None
             if tell_tile(lib, tile_bytes, map_at) and hasattr(lib, "ipu_trap_reason"):
                 why = lib.ipu_trap_reason
                 why.restype, why.argtypes = ctypes.c_char_p, []
             out[name] = (fn, why)
         return out
+
+
+def load_vertex(path: Path, obj: bytes, symbol: str, argtypes: list, where: str, failure: str):
+    """Write a kernel object to ``path`` and load it: ``(library, its vertex entry point
+    symbol)``, the entry returning an int and taking ``argtypes``; an object that cannot be loaded
+    is a user error at ``where``: ``<failure>: <why>``."""
+    path.write_bytes(obj)
+    try:
+        lib = ctypes.CDLL(str(path))
+        fn = getattr(lib, symbol)
+    except (OSError, AttributeError) as exc:
+        raise UserError(where, f"{failure}: {exc}") from None
+    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    return lib, fn
 
 
 def tell_tile(lib, tile_bytes: int, map_at: int) -> bool:
