@@ -128,7 +128,7 @@ class LiveView(PipeView):
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
         from rich.table import Column
         super().__init__(console)
-        self.name = ""
+        self.name = self.text = ""
         # the description takes what the counts and the clock leave, cut with an ellipsis
         rest = Column(ratio=1, no_wrap=True, overflow="ellipsis")
         self.progress = Progress(
@@ -145,8 +145,12 @@ class LiveView(PipeView):
     def _update(self) -> None:
         if self.live:
             now = self.activity.now()
+            text = self.name + (f" · {now}" if now else "")
+            # a new text is drawn at once: a search round shorter than the refresh period would
+            # otherwise never reach the screen (or a terminal recording)
+            changed, self.text = text != self.text, text
             self.progress.update(self.task, completed=self.console.done, total=max(1, self.console.total),
-                                 description=self.name + (f" · {now}" if now else ""))
+                                 description=text, refresh=changed)
 
     def start(self, name: str, meta: dict) -> None:
         super().start(name, meta)
