@@ -36,7 +36,7 @@ DOIT_CONFIG = {"backend": "sqlite3", "dep_file": str(Path(__file__).parent / ".d
 
 
 def cache_latency(n: int = 2000) -> dict:
-    from ipubuild.store import Store
+    from ipubuild.engine.store import Store
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp))

@@ -45,10 +45,11 @@ def worker(tree: Path, target_file: str, repeats: int) -> dict:
     """Build ``target_file`` in ``tree``, then time the device and the reference ``repeats`` times."""
     import numpy as np
 
-    from ipubuild import canonical, reference, tensors
-    from ipubuild.build import all_steps, build_in_process
+    from ipubuild.engine import canonical
+    from ipubuild.graph import reference, tensors
+    from ipubuild.build.build import all_steps, build_in_process
     from ipubuild.ir import Graph
-    from ipubuild.pipeline import Workspace
+    from ipubuild.build.pipeline import Workspace
     from ipubuild.targets import load_target
 
     os.chdir(tree)

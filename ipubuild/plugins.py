@@ -17,8 +17,8 @@ import os
 import pluggy
 
 from . import hookspecs
-from .errors import UserError
-from .fingerprint import code_fingerprint
+from .engine.errors import UserError
+from .engine.fingerprint import code_fingerprint
 
 BUILTIN_MODULES = ("ipubuild.builtin.operators", "ipubuild.builtin.vit", "ipubuild.builtin.casts",
                    "ipubuild.builtin.passes", "ipubuild.builtin.heuristics", "ipubuild.builtin.simulator",

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UserError
-from .operators import KernelVariant, f32_bits  # noqa: F401 - f32_bits: for vertex arguments
+from .engine.errors import UserError
+from .graph.operators import KernelVariant, f32_bits  # noqa: F401 - f32_bits: for vertex arguments
 
 #: ipu_kernel.h's type codes (the ``*_TYPE`` defines of the built-in kernels)
 TYPE_CODES = {"f32": 0, "f16": 1, "f143": 2, "f152": 3}
@@ -45,7 +45,7 @@ class TileMemory:
     pattern, with a bump allocator from the first SRAM address. Addresses are byte offsets."""
 
     def __init__(self, machine: str = "ipu21", fill: int = 0xA5):
-        from .machine import load_machine
+        from .compiler.machine import load_machine
         mem = load_machine(machine)["memory"]
         self.mem = np.full(mem["sram_end"], fill, dtype=np.uint8)
         self.base = self._next = mem["sram_base"]
@@ -109,7 +109,7 @@ def compile_source(source, out_dir=None, defines=(), *, werror: bool = True, nam
     as ``compile_kernels`` does, into ``out_dir`` (default: a new temporary folder); return the
     shared object's path. A failure raises ``UserError`` naming the kernel, its first error
     line and, in ``diagnostics``, the compiler's whole output."""
-    from .kernels import SOURCE_SUFFIXES, compile_kernel, compiler, included, source_slot
+    from .compiler.kernels import SOURCE_SUFFIXES, compile_kernel, compiler, included, source_slot
     source = Path(source).resolve()
     defines = sorted(defines.items()) if isinstance(defines, dict) else sorted(tuple(d) for d in defines)
     slot = source_slot(source)
@@ -137,7 +137,7 @@ def load_variant(variant, out_dir=None, *, werror: bool = True, checked: bool = 
     operator declares (built-in, installed or on ``$IPUBUILD_PLUGINS``). ``checked``: the
     checked build a device runs (``-DIPU_CHECKED=1``), told a whole tile (``set_tile``)."""
     if isinstance(variant, str):
-        from .operators import registry
+        from .graph.operators import registry
         kernels = registry().kernels
         if variant not in kernels:
             raise UserError(f"kernel variant {variant!r}", "no registered operator declares it; known: "
@@ -145,7 +145,7 @@ def load_variant(variant, out_dir=None, *, werror: bool = True, checked: bool = 
         variant = kernels[variant]
     if not isinstance(variant, KernelVariant):
         raise TypeError(f"load_variant takes a KernelVariant or its name, not {type(variant).__name__}")
-    from .kernels import CHECKED, compiler
+    from .compiler.kernels import CHECKED, compiler
     defines = (*variant.defines, CHECKED) if checked else tuple(variant.defines)
     key = (str(Path(variant.source).resolve()), defines, compiler(), werror, Path(variant.source).stat().st_mtime_ns)
     if key not in _loaded:
@@ -159,7 +159,7 @@ def load_variant(variant, out_dir=None, *, werror: bool = True, checked: bool = 
 
 def compile_builtin(name: str, out_dir=None, defines=(), *, werror: bool = True) -> Path:
     """Compile the built-in kernel source ``ipubuild/kernels/<name>.c`` with ``defines``."""
-    from .kernels import KERNEL_DIR
+    from .compiler.kernels import KERNEL_DIR
     return compile_source(KERNEL_DIR / f"{name}.c", out_dir, defines, werror=werror)
 
 
@@ -217,7 +217,7 @@ def target_text(target) -> str:
     if "\n" in target or "[" in target:
         return target
     from .plugins import get_plugin_manager
-    from .targets import plugin_targets
+    from .compiler.targets import plugin_targets
     found = {t.name: t for t in plugin_targets(get_plugin_manager())}
     if target not in found:
         raise UserError(f"target {target!r}", "no installed plugin ships it; known: "
@@ -241,8 +241,8 @@ def build_target(target, tree, *, name: str | None = None, overrides: dict | Non
     "search": {"rounds": 1}}``). ``name`` defaults to the target's name or ``target``."""
     import tomli_w
 
-    from .build import build_in_process
-    from .pipeline import Workspace
+    from .build.build import build_in_process
+    from .build.pipeline import Workspace
     text = target_text(target)
     data = merged(tomllib.loads(text), overrides or {})
     if name is None:

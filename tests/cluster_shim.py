@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from ipubuild import cluster
+from ipubuild.remote import cluster
 
 _mode = os.environ.get("IPUBUILD_TEST_SHIM", "")
 _originals = cluster.__dict__.setdefault("_test_originals", {"evaluate": cluster._evaluate,

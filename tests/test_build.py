@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ipubuild import canonical
-from ipubuild.build import build_in_process
+from ipubuild.engine import canonical
+from ipubuild.build.build import build_in_process
 from ipubuild.builtin.simulator import run_exchange
 from ipubuild.errors import UserError
 from ipubuild.operators import registry
-from ipubuild.pipeline import Workspace
+from ipubuild.build.pipeline import Workspace
 
 from buildtree import SMALL, copy_ipubuild, make_tree
 

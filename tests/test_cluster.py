@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from buildtree import assert_passed, copy_ipubuild, doit, env, make_tree, package, start
 
-from ipubuild import executors
+from ipubuild.engine import executors
 from ipubuild.errors import UserError
 
 NAME = "small"
@@ -186,11 +186,11 @@ def test_a_bad_scheduler_address_is_one_line(monkeypatch, value):
 
 
 def test_the_cluster_module_stays_out_of_fingerprints_and_light_paths():
-    from ipubuild.fingerprint import closure
-    for module in ("ipubuild.planning.phases", "ipubuild.kernels", "ipubuild.search"):
-        assert "ipubuild.cluster" not in closure(module)
+    from ipubuild.engine.fingerprint import closure
+    for module in ("ipubuild.compiler.planning.phases", "ipubuild.compiler.kernels", "ipubuild.compiler.search"):
+        assert "ipubuild.remote.cluster" not in closure(module)
     code = ("import sys; import ipubuild.build, ipubuild.search, ipubuild.executors; "
-            "print([m for m in ('distributed', 'dask', 'ipubuild.cluster') if m in sys.modules])")
+            "print([m for m in ('distributed', 'dask', 'ipubuild.remote.cluster') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=env(IPUBUILD_SCHEDULER="tcp://127.0.0.1:1"))
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -238,7 +238,7 @@ def _noop_imports(tree: Path, cluster) -> list[str]:
     assert p.returncode == 0 and "build:" in p.stdout, p.stdout + p.stderr
     assert not re.findall(r"^\.  (?!build:)", p.stdout, re.M), p.stdout      # nothing but build: ran
     return sorted({m for m in re.findall(r"\|\s+(\S+)\s*$", p.stderr, re.M)
-                   if m.split(".")[0] in ("distributed", "dask") or m == "ipubuild.cluster"})
+                   if m.split(".")[0] in ("distributed", "dask") or m == "ipubuild.remote.cluster"})
 
 
 @needs_dask
@@ -360,7 +360,7 @@ def test_results_that_do_not_verify_never_enter_the_store(code, reference, tmp_p
 def test_a_worker_running_other_code_is_refused_in_one_line(code, reference, tmp_path):
     other = tmp_path / "other"
     copy_ipubuild(other, code)
-    phases = other / "ipubuild" / "planning" / "phases.py"
+    phases = other / "ipubuild" / "compiler" / "planning" / "phases.py"
     phases.write_text(phases.read_text() + "\n\nOTHER = 1\n")     # a code change: other action keys
     c = DaskCluster(tmp_path / "cluster", other, 1)
     try:

@@ -12,9 +12,9 @@ import pytest
 
 from ipubuild import fp8, testing
 from ipubuild.builtin.operators import TYPE_NUM
-from ipubuild.compare import judge, mode
+from ipubuild.device.compare import judge, mode
 from ipubuild.ir import Graph, Value
-from ipubuild.kernels import KERNEL_DIR
+from ipubuild.compiler.kernels import KERNEL_DIR
 from ipubuild.operators import KernelVariant, registry
 
 
@@ -81,7 +81,7 @@ def test_compare_mode():
 def test_values_are_mapped_only_when_operations_are_compared():
     """map_values decides from the graph's value sizes: comparing outputs only (or "auto" past
     the limit), it maps nothing (a 12-block ViT's map takes seconds), but says the size."""
-    from ipubuild.compare import AUTO_LIMIT_BYTES, map_values
+    from ipubuild.device.compare import AUTO_LIMIT_BYTES, map_values
 
     class Ctx:
         def __init__(self, g, setting):
@@ -221,7 +221,7 @@ def test_gelu_tolerance_holds_for_the_kernel(kernels, fp8_out):
 
 # what a failing verdict says ---------------------------------------------------------------------
 def test_the_failure_line_names_the_device_first_then_the_operation_then_the_gates():
-    from ipubuild.verdict import failure_line
+    from ipubuild.device.verdict import failure_line
     base = {"pass": False, "device_ok": True, "min_cosine": "0.990000000", "max_abs_error": "0.300000",
             "thresholds": {"min_cosine": 0.99, "max_abs_error": 0.25}, "failed_gates": ["max_abs_error"],
             "operations": {"mode": "outputs", "why": "x"}}

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from buildtree import SMALL, TIMEOUT, copy_ipubuild, doit, env, make_tree
 
-from ipubuild import explain
-from ipubuild.progress import Activity
+from ipubuild.build import explain
+from ipubuild.ui.progress import Activity
 
 TEXT = SMALL.replace("rounds = 3", "rounds = 1")
 CLOSING = ("final_cycles=", "profile=", "float32MinimumCosineSimilarity=", "referenceMinimumCosineSimilarity=",
@@ -181,7 +181,7 @@ def test_a_no_op_and_a_pipe_load_no_heavy_module(built, cache):
     run = doit(tree, "build:small", environ=e)
     loaded = set(re.findall(r"import time:\s+\d+ \|\s+\d+ \|\s+(\S+)", run.stderr))
     assert "ipubuild.tasks" in loaded
-    for heavy in ("rich", "tqdm", "numpy", "pluggy", "diskcache", "ipubuild.log", "ipubuild.progress"):
+    for heavy in ("rich", "tqdm", "numpy", "pluggy", "diskcache", "ipubuild.engine.log", "ipubuild.ui.progress"):
         assert heavy not in loaded, heavy
     code, screen = _pty_run(tree, e, "build:small")
     assert code == 0 and "import time:" in screen and not re.search(r"\| +(rich|numpy|pluggy|diskcache)\b", screen)
@@ -222,7 +222,7 @@ def test_explain_names_a_configuration_key_and_a_code_change(tmp_path, cache):
     assert doit(tree, "build:small", environ=quiet(tree, cache)).returncode == 0
     target = tree / "targets" / "small.toml"
     target.write_text(TEXT + "[numerics]\nmin_cosine = 0.98\n")
-    report = tree / "ipubuild" / "report.py"
+    report = tree / "ipubuild" / "ui" / "report.py"
     report.write_text(report.read_text() + "\n\ndef _explain_probe():\n    return 1\n")
     run = doit(tree, "build:small", environ=quiet(tree, cache))
     assert run.returncode == 0, run.tail()

@@ -18,10 +18,10 @@ import pytest
 from doit.cmd_base import ModuleTaskLoader
 from doit.doit_cmd import DoitMain
 
-from ipubuild import canonical
-from ipubuild.engine import config_subset, phase
+from ipubuild.engine import canonical
+from ipubuild.engine.engine import config_subset, phase
 from ipubuild.errors import UserError
-from ipubuild.pipeline import Step, Workspace
+from ipubuild.build.pipeline import Step, Workspace
 from ipubuild.tasks import ContentChecker, Reporter, step_task
 
 ROOT = Path(__file__).resolve().parents[1]

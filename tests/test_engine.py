@@ -18,10 +18,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipubuild import canonical, engine, fingerprint
-from ipubuild.engine import PHASES, Engine, config_subset, phase
+from ipubuild.engine import canonical, engine, fingerprint
+from ipubuild.engine.engine import PHASES, Engine, config_subset, phase
 from ipubuild.errors import UserError
-from ipubuild.store import Store
+from ipubuild.engine.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 BIG = 100 * 1024
@@ -531,8 +531,8 @@ def test_values_phases_hand_over_in_process_equal_what_their_bytes_decode_to(tmp
     str keys), or a build in one process would compute from other values than a build that reads
     the cache."""
     from buildtree import SMALL, make_tree
-    from ipubuild.build import build_in_process
-    from ipubuild.pipeline import Workspace
+    from ipubuild.build.build import build_in_process
+    from ipubuild.build.pipeline import Workspace
     tree = make_tree(tmp_path / "tree", {"small": SMALL.replace("rounds = 3", "rounds = 1")})
     monkeypatch.chdir(tree)
     build_in_process(tree, "targets/small.toml")
@@ -548,8 +548,8 @@ def test_doit_and_the_action_cache_share_one_signature(tmp_path, monkeypatch):
     """Every ingredient of a phase's signature — name, code, toolchain, plugins, configuration read
     — moves both doit's up-to-date value (``analysis.step_entry``) and the action key; inputs move
     the action key, the cache's identity doit's value."""
-    from ipubuild.analysis import step_entry
-    from ipubuild.pipeline import Step, Workspace
+    from ipubuild.build.analysis import step_entry
+    from ipubuild.build.pipeline import Step, Workspace
     name = _name("sig")
     _register_upper(name, config=("a.b",))
     ws = Workspace(tmp_path)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ipubuild.pipeline import Workspace
+from ipubuild.build.pipeline import Workspace
 
 from buildtree import PLANNING_TASKS, assert_passed, copy_ipubuild, doit, env, make_tree
 
@@ -75,7 +75,7 @@ def test_a_kernel_code_edit_changes_its_measured_figures_and_plans_nothing(built
 
 
 def test_the_counts_are_the_same_on_every_run(built, monkeypatch):
-    from ipubuild.build import all_steps
+    from ipubuild.build.build import all_steps
     from ipubuild.targets import load_target
     tree, _ = built
     monkeypatch.chdir(tree)
@@ -130,7 +130,7 @@ def test_each_builtin_kernel_has_its_estimators_beside_it_in_the_planning_finger
     """Every built-in variant's estimator comes from the ``<kernel>_cycles.py`` beside its C source;
     those files are in the code fingerprint of the operators plugin (which the planning phases
     include), the C sources and the compile machinery (``ipubuild.kernels`` itself) are not."""
-    from ipubuild.fingerprint import closure, files_of
+    from ipubuild.engine.fingerprint import closure, files_of
     from ipubuild.operators import registry
     builtin = {name: kv for name, kv in registry().kernels.items()
                if Path(kv.source).parent == Path(__file__).resolve().parent.parent / "ipubuild" / "kernels"}
@@ -142,5 +142,5 @@ def test_each_builtin_kernel_has_its_estimators_beside_it_in_the_planning_finger
     modules = closure("ipubuild.builtin.operators")
     files = {Path(f).name for f in files_of("ipubuild.builtin.operators")}
     assert {f"{Path(kv.source).stem}_cycles.py" for kv in builtin.values()} | {"cycles.py"} <= files
-    assert "ipubuild.kernels" not in modules and "ipubuild.kernel_profile" not in modules
+    assert "ipubuild.compiler.kernels" not in modules and "ipubuild.build.kernel_profile" not in modules
     assert not any(f.endswith((".c", ".h")) for f in files)

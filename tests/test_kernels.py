@@ -8,7 +8,7 @@ import pytest
 
 from ipubuild import fp8, testing
 from ipubuild.errors import UserError
-from ipubuild.kernels import KERNEL_DIR
+from ipubuild.compiler.kernels import KERNEL_DIR
 from ipubuild.operators import KernelVariant
 
 F32, F16, F143, F152 = (testing.TYPE_CODES[t] for t in ("f32", "f16", "f143", "f152"))

@@ -8,7 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ipubuild import fp8, ir, reference
+from ipubuild import fp8, ir
+from ipubuild.graph import reference
 from ipubuild.errors import UserError
 from ipubuild.operators import registry, split
 
@@ -470,7 +471,7 @@ def test_matmul_stage1_reads_cover_a_and_b(name, tiles):
 
 
 def test_matmul_with_small_k_has_a_plan():
-    from ipubuild.planning.program import build_program, default_layout
+    from ipubuild.compiler.planning.program import build_program, default_layout
     g = ir.Graph()
     a = g.input("a", (4, 8))
     w = g.constant("w", (8, 4))
@@ -482,7 +483,7 @@ def test_matmul_with_small_k_has_a_plan():
 # following a producer's blocks ---------------------------------------------------------------------
 def _chain(follower, *, shape=(13, 24), heads=None):
     """x[13, 10] @ w[10, cols] (a matmul with many plans), then ``follower`` on its output."""
-    from ipubuild.planning.program import PlanResolver
+    from ipubuild.compiler.planning.program import PlanResolver
     g = ir.Graph()
     x = g.input("x", (shape[0], 10))
     y = g.add("matmul", [x, g.constant("w", (10, shape[1]))], name="mm")
@@ -527,7 +528,7 @@ def test_an_elementwise_follower_takes_its_producers_blocks_under_every_plan(nam
 
 
 def test_a_rowwise_follower_needs_whole_rows():
-    from ipubuild.planning.program import build_program
+    from ipubuild.compiler.planning.program import build_program
     g, res = _chain(lambda g, y: g.add("layernorm", [y, g.constant("g", (24,)), g.constant("b", (24,))], eps=1e-6))
     mm, ln = g.ops
     (f,) = _follow_choices(res, ln)
@@ -544,7 +545,7 @@ def test_a_rowwise_follower_needs_whole_rows():
 
 
 def test_a_follower_exchanges_nothing_and_moves_with_its_producer():
-    from ipubuild.planning.program import build_program
+    from ipubuild.compiler.planning.program import build_program
     g, res = _chain(lambda g, y: g.add("cast", [g.add("gelu", [y])], to="f143", scale_exp=0))
     mm, gelu, cast = g.ops
     for p in range(0, len(res.plans[mm.id]), 5):
@@ -561,7 +562,7 @@ def test_a_follower_exchanges_nothing_and_moves_with_its_producer():
 def test_attention_follows_the_tiles_of_its_heads(heads):
     """scores follow qkv: each head's rows on the tiles that computed its Q, K or V columns;
     context follows the probabilities row for row (or qkv like scores)."""
-    from ipubuild.planning.program import PlanResolver
+    from ipubuild.compiler.planning.program import PlanResolver
     g = ir.Graph()
     x = g.input("x", (10, 12))
     qkv = g.add("matmul", [x, g.constant("w", (12, 18))], name="qkv")

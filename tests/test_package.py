@@ -13,12 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipubuild import __version__, canonical
+from ipubuild import __version__
+from ipubuild.engine import canonical
 from ipubuild.errors import PackageError, UserError
-from ipubuild.machine import load_machine
+from ipubuild.compiler.machine import load_machine
 from ipubuild.package import FORMAT_VERSION, HEADER, MAGIC, Package, read_package, write_package
-from ipubuild.planning import codegen
-from ipubuild.planning.storage import tile_ranges
+from ipubuild.compiler.planning import codegen
+from ipubuild.compiler.planning.storage import tile_ranges
 
 MACHINE = load_machine("ipu21")
 MEM = MACHINE["memory"]
@@ -382,7 +383,7 @@ def test_tiny_tile_image_is_a_package_error(valid):
 def test_segment_of_wrong_arity_is_a_package_error(valid):
     manifest, _, _ = valid
     head = canonical.dumps({"tile_image": 1, "segments": [["data", "w", DATA, 4]]})
-    from ipubuild import tensors
+    from ipubuild.graph import tensors
     img = tensors.pack({"header": np.frombuffer(head, np.uint8)})
     d = canonical.digest(img)
     m, mem = make(tile_images=[d, manifest["tile_images"][1]], extra_members={f"images/{d}.img": img})

@@ -26,11 +26,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipubuild import __version__, canonical
+from ipubuild import __version__
+from ipubuild.engine import canonical
 from ipubuild.builtin.simulator import Simulator
 from ipubuild.errors import PackageError, UserError
 from ipubuild.package import FORMAT_VERSION, HEADER, MAX_DEPTH, Package, summarize
-from ipubuild.planning import codegen
+from ipubuild.compiler.planning import codegen
 
 from ipubuild.testing import compile_builtin
 from test_package import CODE, DATA, MACHINE, MEM, header, make

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ipubuild import hookimpl, passes, targets
-from ipubuild.engine import PHASES
+from ipubuild.engine.engine import PHASES
 from ipubuild.errors import UserError
 from ipubuild.frontend import Model, build_model
 from ipubuild.ir import Graph
@@ -113,7 +113,7 @@ def test_malformed_and_duplicate_passes_name_the_plugin():
 
 
 def test_pass_plugins_enter_lower_models_action_key():
-    from ipubuild.engine import Engine
+    from ipubuild.engine.engine import Engine
     ph = PHASES["lower_model"]
     assert "ipubuild_graph_passes" in ph.hooks
     pm = manager(ipubuild_graph_passes=lambda: [GraphPass("mine", lambda m, t: None)])

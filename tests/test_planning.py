@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from ipubuild import frontend, ir, plugins, targets
 from ipubuild.errors import UserError
-from ipubuild.machine import load_machine
+from ipubuild.compiler.machine import load_machine
 from ipubuild.operators import registry
-from ipubuild.planning import codegen, exchange, phases, storage
-from ipubuild.planning.cost import program_cost, step_compute
-from ipubuild.planning.program import build_program, default_layout, plans_of
+from ipubuild.compiler.planning import codegen, exchange, phases, storage
+from ipubuild.compiler.planning.cost import program_cost, step_compute
+from ipubuild.compiler.planning.program import build_program, default_layout, plans_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = load_machine("ipu21")
@@ -474,7 +474,7 @@ def test_vit_plans_and_program_shape(vit_graph, vit_program):
 
 
 def test_peak_bound_is_the_graphs_work_at_peak_rate(vit_graph, vit_program):
-    from ipubuild.planning.cost import peak_bound
+    from ipubuild.compiler.planning.cost import peak_bound
     g = ir.Graph()
     a = g.input("a", (100, 64))
     y = g.add("matmul", [a, g.constant("w", (64, 30))])
@@ -491,7 +491,7 @@ def test_peak_bound_is_the_graphs_work_at_peak_rate(vit_graph, vit_program):
 
 
 def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
-    from ipubuild.placement import initial_layout
+    from ipubuild.compiler.placement import initial_layout
     from ipubuild.search import SearchContext, heuristics
     layout = initial_layout(SearchContext(vit_graph, 64, MACHINE), heuristics())
     program = build_program(vit_graph, layout, 64)

@@ -118,7 +118,7 @@ def test_plugin_autoload_can_be_switched_off(tmp_path):
 
 
 def test_the_machine_file_adds_vector_throughput_by_dtype_and_keeps_every_cost_constant():
-    from ipubuild.machine import load_machine
+    from ipubuild.compiler.machine import load_machine
     m = load_machine("ipu21")
     x, c = m["exchange"], m["compute"]
     assert (x["bytes_per_cycle"], x["paired_bytes_per_cycle"], x["sync_cycles"], x["transfer_setup_cycles"]) \

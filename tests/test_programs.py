@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from ipubuild import canonical
-from ipubuild.build import all_steps, build_in_process
+from ipubuild.engine import canonical
+from ipubuild.build.build import all_steps, build_in_process
 from ipubuild.ir import Graph
 from ipubuild.search import read_state
 from ipubuild.operators import registry
-from ipubuild.pipeline import Workspace
-from ipubuild.planning.program import plans_of
+from ipubuild.build.pipeline import Workspace
+from ipubuild.compiler.planning.program import plans_of
 from ipubuild.targets import load_target
 
 from buildtree import SMALL, make_tree

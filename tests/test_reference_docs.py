@@ -128,7 +128,7 @@ def test_search_reasons_counts_and_unexpressed_fields_are_described():
 
 def test_the_search_log_lines_shown_are_the_ones_written():
     shown = re.findall(r"^    ([a-z][a-z ]+?) (?:\w+=)", section("Screening, ids and counts"), re.M)
-    source = (ROOT / "ipubuild" / "search.py").read_text()
+    source = (ROOT / "ipubuild" / "compiler" / "search.py").read_text()
     assert shown and all(f'"{line}"' in source for line in shown), shown
 
 

@@ -31,7 +31,7 @@ from buildtree import (
     start,
 )
 
-from ipubuild.store import Store
+from ipubuild.engine.store import Store
 
 NAME = "small"
 

@@ -30,11 +30,12 @@ from pathlib import Path
 import pytest
 from buildtree import assert_passed, doit, env, make_tree, package, start
 
-from ipubuild import canonical, remote
+from ipubuild.engine import canonical
+from ipubuild import remote
 from ipubuild.errors import UserError
 from ipubuild.log import log
 from ipubuild.remote.http import HttpCache
-from ipubuild.store import Store
+from ipubuild.engine.store import Store
 
 NAME = "small"
 USER, PASSWORD = "builder", "s3cret-Pa55"
@@ -577,8 +578,8 @@ def test_the_hook_keeps_plugin_loading_light_and_the_tier_out_of_fingerprints():
     e = {k: v for k, v in os.environ.items() if not k.startswith("IPUBUILD_REMOTE_CACHE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
-    from ipubuild.fingerprint import closure
-    assert not [m for m in closure("ipubuild.engine") if m.startswith("ipubuild.remote")]
+    from ipubuild.engine.fingerprint import closure
+    assert not [m for m in closure("ipubuild.engine.engine") if m.startswith("ipubuild.remote")]
 
 
 # --- whole builds through doit --------------------------------------------------------------------

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ipubuild import canonical
-from ipubuild.build import all_steps
+from ipubuild.engine import canonical
+from ipubuild.build.build import all_steps
 from ipubuild.errors import UserError
-from ipubuild.pipeline import Workspace
-from ipubuild.report import KINDS, _runs, heatmap, read_profile, report_data, top_steps_table
-from ipubuild.report_page import render
+from ipubuild.build.pipeline import Workspace
+from ipubuild.ui.report import KINDS, _runs, heatmap, read_profile, report_data, top_steps_table
+from ipubuild.ui.report_page import render
 from ipubuild.search import read_state
 from ipubuild.targets import load_target
 

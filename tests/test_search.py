@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 
-from ipubuild import canonical
-from ipubuild.build import build_in_process
+from ipubuild.engine import canonical
+from ipubuild.build.build import build_in_process
 from ipubuild.frontend import build_model
-from ipubuild.machine import load_machine
-from ipubuild.pipeline import Workspace
+from ipubuild.compiler.machine import load_machine
+from ipubuild.build.pipeline import Workspace
 from ipubuild.plugins import get_plugin_manager
-from ipubuild.placement import initial_layout
+from ipubuild.compiler.placement import initial_layout
 from ipubuild.search import Changes, SearchContext, heuristics, read_state, screen
 from ipubuild.targets import load_target
 

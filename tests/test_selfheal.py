@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from buildtree import SMALL, assert_passed, doit, make_tree, package, snapshot
 
-from ipubuild import canonical
-from ipubuild.engine import PHASES, Engine, phase
-from ipubuild.store import Store
+from ipubuild.engine import canonical
+from ipubuild.engine.engine import PHASES, Engine, phase
+from ipubuild.engine.store import Store
 
 NAME = "small"
 TEXT = SMALL.replace("rounds = 3", "rounds = 1")

@@ -8,15 +8,16 @@ import shutil
 import numpy as np
 import pytest
 
-from ipubuild import __version__, canonical
+from ipubuild import __version__
+from ipubuild.engine import canonical
 from ipubuild.builtin.simulator import Simulator
 from ipubuild.errors import UserError
-from ipubuild.kernels import KERNEL_DIR, compile_kernel, compiler
-from ipubuild.machine import load_machine
+from ipubuild.compiler.kernels import KERNEL_DIR, compile_kernel, compiler
+from ipubuild.compiler.machine import load_machine
 from ipubuild.operators import registry
 from ipubuild.package import FORMAT_VERSION, write_package
-from ipubuild.planning import codegen, exchange
-from ipubuild.planning.storage import tile_ranges
+from ipubuild.compiler.planning import codegen, exchange
+from ipubuild.compiler.planning.storage import tile_ranges
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 

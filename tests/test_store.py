@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ipubuild import canonical
-from ipubuild.store import Store, cache_dir
+from ipubuild.engine import canonical
+from ipubuild.engine.store import Store, cache_dir
 
 BIG = 100 * 1024  # > diskcache's 32 KiB min_file_size: stored as a file cas/**/*.val
 

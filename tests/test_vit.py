@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ipubuild import canonical, fp8, frontend, plugins, reference, targets
+from ipubuild.engine import canonical
+from ipubuild import fp8, frontend, plugins, targets
+from ipubuild.graph import reference
 from ipubuild.builtin.vit import build_vit
 from ipubuild.errors import UserError
 from ipubuild.ir import Graph

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import fp8, hookimpl
-from ..ir import FP8, CastStoragePolicy, Graph, Op
-from ..operators import registry
-from ..passes import GraphPass, prune
-from ..targets import CAST_FUSIBLE
+from ..graph import fp8
+from .. import hookimpl
+from ..graph.ir import FP8, CastStoragePolicy, Graph, Op
+from ..graph.operators import registry
+from ..graph.passes import GraphPass, prune
+from ..compiler.targets import CAST_FUSIBLE
 
 #: operators whose listed inputs are cast to FP8 (by input position)
 FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context": (0, 1)}
@@ -22,7 +23,7 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
     """Cast every FP8 operand: constants are stored in FP8 directly; an activation gets a cast
     op right after its producer (the ``fold_casts`` pass then folds it into the producer where
     it can). Scales come from calibration on the example inputs."""
-    from ..frontend import float_values
+    from ..graph.frontend import float_values
     calibrated = float_values(graph, constants, inputs)
 
     def scale(vid):

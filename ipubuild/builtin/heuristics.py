@@ -5,7 +5,7 @@ estimator's steepest path."""
 from __future__ import annotations
 
 from .. import hookimpl
-from ..search import Changes, Heuristic
+from ..compiler.search import Changes, Heuristic
 
 #: how many single re-plans one descent chains at most
 DESCENT_STEPS = 24

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import fp8, hookimpl
-from ..ir import FP8
+from ..graph import fp8
+from .. import hookimpl
+from ..graph.ir import FP8
 # each kernel's cycle estimators live beside its C source; imported module by module, so that
 # the planning phases' code fingerprints take in these files and not the kernels package itself
 from ..kernels.add_cycles import add as add_cycles
@@ -18,8 +19,7 @@ from ..kernels.layernorm_cycles import layernorm as layernorm_cycles, layernorm_
 from ..kernels.matmul_cycles import matmul as matmul_cycles, matmul_fp8 as matmul_fp8_cycles
 from ..kernels.reduce_cycles import reduce as reduce_cycles, reduce_fp8 as reduce_fp8_cycles
 from ..kernels.softmax_cycles import softmax as softmax_cycles
-from ..operators import (F32_ROUNDOFF as U, KernelVariant, Lowering, Operator, TileWork, f32_bits,
-                         gamma, key, split)
+from ..graph.operators import F32_ROUNDOFF as U, KernelVariant, Lowering, Operator, TileWork, f32_bits, gamma, key, split
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 TYPE_CODE = {"f32": "IPU_F32", "f16": "IPU_F16", "f143": "IPU_F143", "f152": "IPU_F152"}

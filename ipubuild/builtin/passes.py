@@ -3,7 +3,7 @@ unused. (The cast stage's ``fold_casts`` lives with the cast policies, in ``cast
 from __future__ import annotations
 
 from .. import hookimpl
-from ..passes import GraphPass, prune
+from ..graph.passes import GraphPass, prune
 
 
 def prune_model(model, target) -> None:

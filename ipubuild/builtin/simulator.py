@@ -34,14 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import canonical, hookimpl
-from ..device import DeviceRun, device_ownership
-from ..errors import UserError
-from ..log import log
-from ..operators import registry
-from ..package import Package
-from ..planning import codegen, exchange
-from ..planning.storage import tile_ranges
+from ..engine import canonical
+from .. import hookimpl
+from ..device.device import DeviceRun, device_ownership
+from ..engine.errors import UserError
+from ..engine.log import log
+from ..graph.operators import registry
+from ..device.package import Package
+from ..compiler.planning import codegen, exchange
+from ..compiler.planning.storage import tile_ranges
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "f143": np.uint8, "f152": np.uint8}
 MAX_FAILURES = 16      # failures the profile lists (it counts them all)

@@ -7,10 +7,10 @@ import math
 import numpy as np
 
 from .. import hookimpl
-from ..errors import UserError
-from ..frontend import Model
-from ..ir import Graph
-from ..targets import Field, check_table
+from ..engine.errors import UserError
+from ..graph.frontend import Model
+from ..graph.ir import Graph
+from ..compiler.targets import Field, check_table
 
 SCHEMA = {
     "image_size": Field(int, 224, min=8, max=4096, doc="square image side in pixels"),

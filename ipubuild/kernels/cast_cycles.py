@@ -3,7 +3,7 @@ rows, cols, scale_exp, src_stride, dst_stride]``); see ``cycles.py`` for what ed
 re-runs."""
 from __future__ import annotations
 
-from ..operators import ceil_div
+from ..graph.operators import ceil_div
 from .cycles import elementwise
 
 

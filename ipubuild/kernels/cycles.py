@@ -9,7 +9,7 @@ these files re-runs those phases; editing only a kernel's C source re-runs none 
 """
 from __future__ import annotations
 
-from ..operators import ceil_div
+from ..graph.operators import ceil_div
 
 
 def elementwise(n: int, flops_per_element: int, transcendentals: int, machine: dict) -> int:

@@ -2,7 +2,7 @@
 bias, …]``); see ``cycles.py`` for what editing this file re-runs."""
 from __future__ import annotations
 
-from ..operators import ceil_div
+from ..graph.operators import ceil_div
 from .cycles import folded_cast
 
 

@@ -37,9 +37,9 @@ import time
 import urllib.parse
 import weakref
 
-from .. import canonical
-from ..errors import UserError
-from ..log import log
+from ..engine import canonical
+from ..engine.errors import UserError
+from ..engine.log import log
 
 MAX_FAILURES = 3                  # failures of one direction before it is switched off
 QUEUE_BYTES = 256 * 2**20         # uploads waiting in memory, at most

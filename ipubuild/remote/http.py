@@ -25,7 +25,7 @@ import time
 import urllib.parse
 
 from .. import __version__
-from ..errors import UserError
+from ..engine.errors import UserError
 from . import RemoteError, redact, timeouts
 
 MAX_BODY = 4 * 2**30          # bytes a GET may return at most
@@ -192,7 +192,7 @@ def _credentials(url: str, raw: str, path: str | None) -> dict[str, str]:
     except (OSError, netrc.NetrcParseError) as exc:
         # its message may quote a token of the file: name the file and line only
         line = getattr(exc, "lineno", None)
-        from ..log import log
+        from ..engine.log import log
         log.warning(f"remote cache: {path or '~/.netrc'}{f' line {line}' if line else ''} could not be read "
                     f"({type(exc).__name__}); going on without its credentials")
         return {}

@@ -1,0 +1,213 @@
+"""Figures measured on the compiled kernels, per vertex kind: the basic blocks they execute.
+
+The cycle estimators (``KernelVariant.cycles``) model a kernel; they do not read its code, so an
+edit to a kernel's C source leaves the device profile's cycles as they were. This module measures
+the code itself. ``compile_kernels`` compiles every variant the target uses a second time, with
+``-fsanitize-coverage=trace-pc`` and ``kernels/counter/block_counter.c`` (the compiler calls a
+counting function at the start of every basic block it emits); ``measure_kernels`` runs the package's
+program on the host — the simulator's loading and exchange, with the counted objects in place of
+the package's — and records, per kernel variant, its calls, the blocks they executed (in all, and
+the fewest and most of one call) and its estimator's cycles. A count depends only on the
+compiled code and the data the call reads, so the result is the same on every run and is an
+ordinary content-addressed artifact (``<target>.kernels.json``, and a table on the profile page).
+
+Planning reads only the plain objects' reservations, and the package only the plain objects: the
+counted ones feed ``measure_kernels`` alone, so editing only kernel code re-runs the compile, the
+images, the package, the device run and this measurement, and no planning phase. A compiler
+without the flag, or a variant that does not compile with it, leaves that variant's figures out,
+with a one-line note saying why.
+
+Host time is not measured here: it varies from run to run, and every artifact of a build must be
+reproducible; ``doit profile:<target>`` measures it on demand (``host_times``).
+"""
+from __future__ import annotations
+
+import ctypes
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from ..engine import canonical
+from ..graph import tensors
+from ..builtin.simulator import Simulator, _input_bytes, _Plan, _row, load_vertex, run_exchange, tell_tile
+from ..engine.engine import phase
+from ..engine.errors import UserError
+from ..compiler.kernels import COUNT_FLAGS, counting
+
+
+def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path, tile_bytes: int, map_at: int) -> dict:
+    """The package's kernels ``plain`` (``{variant: (vertex function, reason function)}``, as the
+    simulator loads them) with each one's counted object (if it has one) in their place, told the
+    tile's size and where its data map lies as the simulator tells a checked build:
+    ``fn(mem, args)`` returns ``(result, blocks or None)``."""
+    out = {}
+    for name, (fn, why) in plain.items():
+        if name not in counted:
+            out[name] = (_uncounted(fn), why)
+            continue
+        lib, fn = load_vertex(Path(workdir) / f"counted-{name}.so", counted[name], "ipu_counted_vertex",
+                              [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)],
+                              f"kernel {name}", "cannot load its counted object")
+        tell_tile(lib, tile_bytes, map_at)
+        out[name] = (_counting(fn), why)
+    return out
+
+
+def _uncounted(fn):
+    return lambda mem, args: (fn(mem, args), None)
+
+
+def _counting(fn):
+    blocks = ctypes.c_uint64()
+
+    def call(mem, args):
+        rc = fn(mem, args, ctypes.byref(blocks))
+        return rc, blocks.value
+    return call
+
+
+def _executed(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes] | None = None):
+    """Run the program of ``pkg`` (a ``Package``) on the host, one vertex after another in
+    program order: yield ``(kernel, args, call)`` for every vertex call, in order, and the caller
+    makes the ``call()`` (with ``counted``, see ``_counted_kernels``)."""
+
+    class Host(Simulator):
+        def _load_kernels(self, pkg, workdir, tile_bytes, map_at):
+            plain = super()._load_kernels(pkg, workdir, tile_bytes, map_at)
+            return plain if counted is None else _counted_kernels(plain, counted, workdir, tile_bytes, map_at)
+
+    m = pkg.manifest
+    machine = m["machine"]
+    memory, row_of, programs, tables, data = Host()._load(pkg, machine, workdir)
+    paired = canonical.loads(pkg.member("host/program.json"))["paired"]
+    n_steps = m["host"]["run"]["phases"]
+    plan = _Plan(memory, programs, tables, machine, n_steps, paired, 1, data=data)
+    for b in m["inputs"]:
+        raw = _input_bytes(b, inputs)
+        for off, size, tile, addr in b["ranges"]:
+            memory[_row(row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
+    for s in range(n_steps):
+        run_exchange(memory, row_of, plan.entries[s])
+        # one lane: every call of the step in tile order, then program order, as in ``programs``
+        for fn, mem, address, _, _, kname, _, _, a in plan.lanes[s][0]:
+            yield kname, a, lambda fn=fn, mem=mem, address=address: fn(mem, address)
+
+
+def _inputs(graph: dict, params: bytes) -> dict:
+    """The program's inputs by name, from the ``graph`` and ``params`` artifacts."""
+    from ..graph.ir import Graph
+    g = Graph.from_json(graph)
+    arrays = tensors.unpack(params)
+    return {g.values[v].name: arrays[f"v{v}"] for v in g.inputs}
+
+
+@phase("measure_kernels", inputs=("package", "params", "graph", "counted_objects"), outputs=("kernel_profile",),
+       config=("profile.kernel_counts", "target.tile_count"), hooks=("ipubuild_operators",))
+def measure_kernels(ctx):
+    """Per kernel variant: calls, estimated cycles (its estimator) and executed basic blocks
+    (``<target>.kernels.json``; see the module's docstring). With the target's ``[profile]
+    kernel_counts`` off, only a note saying so."""
+    if not counting(ctx.config):
+        return {"kernel_profile": canonical.dumps({
+            "measure": "", "kernels": {}, "notes": [
+                f"kernels not counted: [profile] kernel_counts = {ctx.config['profile']['kernel_counts']!r} "
+                f"on {ctx.config['target']['tile_count']} tiles; set it to \"on\" to count them"]})}
+    from ..graph.operators import registry
+    from ..device.package import Package
+    reg = registry()
+    counted = ctx.json("counted_objects")
+    objects = {name: ctx.engine.fetch(d) for name, d in counted["objects"].items()}
+    pkg = Package(ctx.bytes("package"), "package")
+    machine = pkg.manifest["machine"]
+    kinds: dict[str, dict] = {}
+    estimates: dict[tuple, int] = {}
+    with tempfile.TemporaryDirectory(prefix="ipubuild-measure-") as work:
+        for kname, a, call in _executed(pkg, _inputs(ctx.json("graph"), ctx.bytes("params")), Path(work), objects):
+            _, blocks = call()
+            key = (kname, *a)
+            if key not in estimates:
+                estimates[key] = int(reg.kernels[kname].cycles(a, machine))
+            k = kinds.setdefault(kname, {"calls": 0, "estimated_cycles": 0, "blocks": 0,
+                                         "blocks_per_call": None})
+            k["calls"] += 1
+            k["estimated_cycles"] += estimates[key]
+            if blocks is None:          # no counted build: every call of the variant is uncounted
+                continue
+            k["blocks"] += blocks
+            lo, hi = k["blocks_per_call"] or (blocks, blocks)
+            k["blocks_per_call"] = [min(lo, blocks), max(hi, blocks)]
+    for name in kinds:
+        if name not in objects:
+            kinds[name]["blocks"] = None
+    by_reason: dict[str, list[str]] = {}
+    for name, note in sorted(counted["notes"].items()):
+        by_reason.setdefault(note, []).append(name)
+    notes = [f"no basic-block counts for {', '.join(names)}: {note}" for note, names in sorted(by_reason.items())]
+    return {"kernel_profile": canonical.dumps({
+        "measure": f"basic blocks executed by each kernel compiled with {COUNT_FLAGS}, on the build's inputs",
+        "kernels": kinds, "notes": notes})}
+
+
+# doit profile:<target>: host time per kernel, measured on demand ---------------------------------
+def host_times(package: bytes, inputs: dict, repeat: int = 3) -> dict[str, dict]:
+    """Host time of each kernel variant's vertex calls, running the package's own objects on this
+    machine ``repeat`` times: ``{variant: {"calls", "median_ns"}}``, the median over every call
+    of every run. It varies from run to run, so it is never part of an artifact."""
+    from ..device.package import Package
+    pkg = Package(package, "package")
+    times: dict[str, list[int]] = {}
+    clock = time.perf_counter_ns
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory(prefix="ipubuild-time-") as work:
+            for kname, _, call in _executed(pkg, inputs, Path(work)):
+                t0 = clock()
+                call()
+                times.setdefault(kname, []).append(clock() - t0)
+    return {k: {"calls": len(v) // repeat, "median_ns": int(statistics.median(v))} for k, v in sorted(times.items())}
+
+
+def host_time_table(kernel_profile: dict, times: dict[str, dict]) -> list[str]:
+    """Per kernel variant: calls, estimated cycles, executed basic blocks and host time, as
+    aligned text lines."""
+    kinds = kernel_profile.get("kernels", {})
+    head = ("kernel", "calls", "estimated cycles", "basic blocks", "blocks/call", "host time median/call")
+    rows = []
+    for name in sorted(set(kinds) | set(times)):
+        k, t = kinds.get(name, {}), times.get(name)
+        per = k.get("blocks_per_call")
+        rows.append((name, str(k.get("calls", t["calls"] if t else "")),
+                     f"{k['estimated_cycles']:,}" if "estimated_cycles" in k else "–",
+                     f"{k['blocks']:,}" if k.get("blocks") is not None else "–",
+                     (f"{per[0]:,}" if per[0] == per[1] else f"{per[0]:,}–{per[1]:,}") if per else "–",
+                     f"{t['median_ns'] / 1000:.1f} µs" if t else "–"))
+    widths = [max(len(r[j]) for r in [head, *rows]) for j in range(len(head))]
+    lines = ["  ".join(c.ljust(widths[j]) if j == 0 else c.rjust(widths[j]) for j, c in enumerate(r))
+             for r in [head, *rows]]
+    lines += [f"note: {n}" for n in kernel_profile.get("notes", [])]
+    return lines
+
+
+def profile_lines(root: Path, target: str) -> list[str]:
+    """The kernel table of ``doit profile:<target>``: the build's kernel profile, and host time
+    measured now on the built package (or a line saying why it could not be)."""
+    from ..engine.engine import MissingBlob
+    from .pipeline import Workspace
+    out = Path(root) / "artifacts" / target
+    try:
+        kernel_profile = canonical.loads((out / f"{target}.kernels.json").read_bytes())
+    except (OSError, ValueError):
+        return [f"no kernel figures: artifacts/{target}/{target}.kernels.json is missing or unreadable; "
+                f"run `doit build:{target}`"]
+    try:
+        ws = Workspace.at(root)
+        digests = [ws.read_ref(f"{target}/{a}") for a in ("graph", "params")]
+        if None in digests:
+            raise UserError(f"{target}", "the build's graph or inputs are not in the cache")
+        graph, params = (ws.engine.fetch(d) for d in digests)
+        times = host_times((out / f"{target}.ipuexe").read_bytes(), _inputs(canonical.loads(graph), params))
+        note = ("host time: this machine, the package's own kernel objects, the median over the calls of 3 runs; "
+                "it varies from run to run (the other figures do not)")
+    except (OSError, UserError, MissingBlob) as exc:
+        times, note = {}, f"host time not measured: {exc}; run `doit build:{target}`"
+    return [*host_time_table(kernel_profile, times), note]

@@ -1,0 +1,149 @@
+"""Tile programs, their binary encoding, tile images and the host program.
+
+A tile program lists, per step, the vertices the tile runs (kernel index and resolved u32
+arguments); its exchange table lists the transfers the tile sends, per step. Both are encoded
+little-endian as below and placed in the tile's executable region after its kernels.
+"""
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from ...engine import canonical
+from ...graph import tensors
+
+PROGRAM_MAGIC = b"TPRG"
+EXCHANGE_MAGIC = b"TXCH"
+
+
+def encode_program(kernels: list[str], steps: list) -> bytes:
+    """``steps`` = ``[[step, [[kernel_index, [u32 args]], ...]], ...]``."""
+    out = [PROGRAM_MAGIC, struct.pack("<III", 1, len(kernels), len(steps))]
+    for name in kernels:
+        raw = name.encode()
+        out.append(struct.pack("<H", len(raw)) + raw)
+    for step, verts in steps:
+        out.append(struct.pack("<II", step, len(verts)))
+        for k, args in verts:
+            out.append(struct.pack(f"<HH{len(args)}I", k, len(args), *[a & 0xFFFFFFFF for a in args]))
+    return b"".join(out)
+
+
+def decode_program(data: bytes) -> tuple[list[str], list]:
+    if data[:4] != PROGRAM_MAGIC:
+        raise ValueError("not a tile program")
+    _, nk, ns = struct.unpack_from("<III", data, 4)
+    pos, kernels = 16, []
+    for _ in range(nk):
+        (n,) = struct.unpack_from("<H", data, pos)
+        kernels.append(data[pos + 2:pos + 2 + n].decode())
+        pos += 2 + n
+    steps = []
+    for _ in range(ns):
+        step, nv = struct.unpack_from("<II", data, pos)
+        pos += 8
+        verts = []
+        for _ in range(nv):
+            k, na = struct.unpack_from("<HH", data, pos)
+            args = list(struct.unpack_from(f"<{na}I", data, pos + 4))
+            pos += 4 + 4 * na
+            verts.append((k, args))
+        steps.append((step, verts))
+    return kernels, steps
+
+
+EXCHANGE_VERSION = 2
+
+
+def encode_exchange(entries: list) -> bytes:
+    """``entries`` = ``[[step, src_tile, src_addr, src_stride, dst_tile, dst_addr, dst_stride,
+    rows, row_bytes, (dst_tile, dst_addr, dst_stride)...], ...]``: a broadcast carries its
+    further destinations at the end. Encoded (version 2) as u32 ``magic, version, count``, then
+    per entry ``step, src_tile, src_addr, src_stride, rows, row_bytes, destinations`` and
+    ``dst_tile, dst_addr, dst_stride`` per destination."""
+    words = [EXCHANGE_VERSION, len(entries)]
+    for e in entries:
+        dests = [e[4:7], *(e[i:i + 3] for i in range(9, len(e), 3))]
+        words.extend([e[0], e[1], e[2], e[3], e[7], e[8], len(dests)])
+        for d in dests:
+            words.extend(d)
+    return EXCHANGE_MAGIC + np.asarray(words, dtype="<u4").tobytes()
+
+
+def decode_exchange(data: bytes) -> list[list[int]]:
+    """The entries of an exchange table, as ``encode_exchange`` takes them; ValueError if the
+    table is not one, is of another version or is truncated."""
+    if data[:4] != EXCHANGE_MAGIC or len(data) % 4:
+        raise ValueError("not an exchange table")
+    words = np.frombuffer(data, dtype="<u4", offset=4).tolist()
+    if len(words) < 2 or words[0] != EXCHANGE_VERSION:
+        raise ValueError(f"exchange table of version {words[0] if words else '?'}; this reader knows "
+                         f"{EXCHANGE_VERSION}")
+    out, pos = [], 2
+    for _ in range(words[1]):
+        head = words[pos:pos + 7]
+        if len(head) < 7 or head[6] < 1 or pos + 7 + 3 * head[6] > len(words):
+            raise ValueError("truncated exchange table")
+        step, st, sa, ss, rows, rb, n = head
+        dests = words[pos + 7:pos + 7 + 3 * n]
+        out.append([step, st, sa, ss, *dests[:3], rows, rb, *dests[3:]])
+        pos += 7 + 3 * n
+    if pos != len(words):
+        raise ValueError("exchange table has trailing bytes")
+    return out
+
+
+def program_bytes(kernels: list[str], steps: list) -> int:
+    """The encoded size (``len(encode_program(kernels, steps))``), which does not depend on
+    argument values."""
+    return (4 + 12 + sum(2 + len(name.encode()) for name in kernels)
+            + sum(8 + sum(4 + 4 * len(args) for _, args in verts) for _, verts in steps))
+
+
+def exchange_bytes(n_entries: int, n_destinations: int) -> int:
+    """The encoded size of a table of ``n_entries`` entries with ``n_destinations`` in all."""
+    return 12 + 28 * n_entries + 12 * n_destinations
+
+
+def build_image(code: dict, data: dict, kernels: list) -> bytes:
+    """A tile image: segments (kernel code reservations, program, exchange table, initial data)
+    with addresses, as one canonical blob."""
+    segments, blobs = [], {}
+    for name, addr, size, obj in kernels:
+        segments.append(["kernel", name, addr, size, obj])
+    for kind in ("program", "exchange"):
+        if kind in code:
+            raw = code[kind]
+            addr = int(code["addresses"][kind])
+            segments.append([kind, kind, addr, len(raw), canonical.digest(raw)])
+            blobs[kind] = raw
+    for name in sorted(data, key=lambda n: int(n.split("@")[1])):
+        raw = data[name].tobytes()
+        addr = int(name.split("@")[1])
+        segments.append(["data", name.split("@")[0], addr, len(raw), canonical.digest(raw)])
+        blobs[f"data@{addr}"] = raw
+    header = canonical.dumps({"tile_image": 1, "segments": segments})
+    arrays = {"header": np.frombuffer(header, dtype=np.uint8)}
+    arrays.update({k: np.frombuffer(v, dtype=np.uint8) for k, v in blobs.items()})
+    return tensors.pack(arrays)
+
+
+def read_image(blob: bytes) -> tuple[dict, dict[str, bytes]]:
+    arrays = tensors.unpack(blob)
+    header = canonical.loads(arrays.pop("header").tobytes())
+    return header, {k: v.tobytes() for k, v in arrays.items()}
+
+
+def bindings(value, ranges: list, addresses: dict) -> list:
+    """``[[tensor_byte_offset, size, tile, address], ...]`` for blocks ``[tile, buf, r0, r1, c0, c1]``."""
+    isz, cols = value.itemsize, value.cols
+    out = []
+    for tile, bid, r0, r1, c0, c1 in ranges:
+        base = addresses[str(tile)][bid]
+        width = (c1 - c0) * isz
+        if c0 == 0 and c1 == cols:
+            out.append([r0 * cols * isz, (r1 - r0) * width, tile, base])
+        else:
+            out.extend([(r * cols + c0) * isz, width, tile, base + (r - r0) * width] for r in range(r0, r1))
+    return sorted(out)

@@ -1,0 +1,67 @@
+"""The cost model: cycles per BSP step from the kernels' estimators and the exchange horizons."""
+from __future__ import annotations
+
+from fractions import Fraction
+
+from ...graph.operators import registry
+
+
+def scalar_args(args) -> list[int]:
+    """Vertex arguments with buffer references as 0: estimators read only the scalars."""
+    return [a if isinstance(a, int) else 0 for a in args]
+
+
+def vertex_cycles(kernel: str, args, machine: dict) -> int:
+    """A vertex's compute cycles by its kernel's estimator (memoised: programs repeat vertices)."""
+    kv = registry().kernels[kernel]
+    scalars = tuple(scalar_args(args))
+    key = (id(kv), scalars, id(machine))
+    found = _cycles.get(key)
+    if found is None:
+        found = int(kv.cycles(list(scalars), machine))
+        if len(_cycles) > 65536:
+            _cycles.clear()
+        _cycles[key] = (found, kv, machine)   # holding them keeps their ids from being reused
+        return found
+    return found[0]
+
+
+_cycles: dict = {}
+
+
+def step_compute(step: dict, machine: dict) -> dict[str, int]:
+    return {tile: sum(vertex_cycles(k, a, machine) for k, a in verts)
+            for tile, verts in step["vertices"].items()}
+
+
+def peak_bound(program: dict, machine: dict) -> int:
+    """A bound no program of this graph can beat on ``tile_count`` tiles: every operation's
+    multiply-accumulates at the AMP's peak rate (or, for one without, its output elements at
+    the vector units' peak rate), spread perfectly over all tiles, with no exchange and one
+    sync."""
+    c = machine["compute"]
+    work = sum((Fraction(w["macs"], c["amp_macs_per_cycle"][w["dtype"]]) if w["macs"]
+                else Fraction(w["elements"], c["vector_flops_per_cycle"])) for w in program.get("work", []))
+    return -(-work.numerator // (work.denominator * program["tile_count"])) + machine["exchange"]["sync_cycles"]
+
+
+def program_cost(program: dict, horizons: list[int], machine: dict) -> dict:
+    """``final_cycles`` = Σ over steps of (exchange horizon + slowest tile's compute + sync);
+    also the lower bound Σ max(balanced compute, balanced exchange) + syncs (this program's:
+    its steps, its work and the bytes it moves, each received byte counted once per receiving
+    tile), and ``peak_bound`` (the graph's, whatever the program: see ``peak_bound``)."""
+    sync = machine["exchange"]["sync_cycles"]
+    tiles = program["tile_count"]
+    total = exchange = bound = 0
+    steps = []
+    for step, horizon in zip(program["steps"], horizons):
+        compute = step_compute(step, machine)
+        slowest = max(compute.values(), default=0)
+        moved = sum(t[8] * t[9] for t in step["transfers"])
+        bound += max(-(-sum(compute.values()) // tiles),
+                     -(-moved // (tiles * machine["exchange"]["bytes_per_cycle"]))) + sync
+        total += horizon + slowest + sync
+        exchange += horizon
+        steps.append({"name": step["name"], "exchange": horizon, "compute": slowest, "sync": sync})
+    return {"final_cycles": total, "final_exchange": exchange, "lower_bound": bound,
+            "peak_bound": peak_bound(program, machine), "steps": steps}

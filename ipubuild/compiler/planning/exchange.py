@@ -1,0 +1,229 @@
+"""Exchange phases: coalescing transfers, grouping them into broadcasts, scheduling them under
+per-tile send and receive limits (ordinary, or paired over supertiles), and lowering them to
+exchange tables.
+
+A transfer is ``[src_tile, src_buf, src_off, src_stride, dst_tile, dst_buf, dst_off, dst_stride,
+rows, row_bytes]`` (buffer-relative); after storage placement buffers become addresses. A
+*broadcast* sends the same rows once to several tiles: its further destinations follow,
+``[..., rows, row_bytes, dst_tile2, dst_buf2, dst_off2, dst_stride2, ...]``. It occupies the
+source's send port once and every destination's receive port, for the time of one transfer
+(the exchange fabric lets any number of tiles listen to one sender).
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+
+from ...graph.operators import ceil_div
+
+
+def coalesce(transfers: list[list]) -> list[list]:
+    """Merge rows that are contiguous on both sides into one row, then merge transfers that
+    continue one another between the same two buffers. Address-independent."""
+    flat = []
+    for st, sb, so, ss, dt, db, do, ds, rows, rb in transfers:
+        if rows > 1 and ss == rb and ds == rb:
+            rows, rb, ss, ds = 1, rows * rb, rows * rb, rows * rb
+        flat.append([st, sb, so, ss, dt, db, do, ds, rows, rb])
+    merged: list[list] = []
+    for t in sorted(flat, key=lambda t: (t[0], t[1], t[4], t[5], t[2])):
+        if merged:
+            p = merged[-1]
+            if (p[0], p[1], p[4], p[5]) == (t[0], t[1], t[4], t[5]) and p[8] == 1 and t[8] == 1 \
+                    and p[2] + p[9] == t[2] and p[6] + p[9] == t[6]:
+                p[9] += t[9]
+                p[3] = p[7] = p[9]
+                continue
+        merged.append(list(t))
+    return merged
+
+
+def destination_tiles(t: list) -> list:
+    """The destination tiles of a transfer (several for a broadcast)."""
+    return [t[4], *t[10::4]]
+
+
+def broadcasts(transfers: list[list], paired: bool) -> list[list]:
+    """Group transfers that send the same source rows to different tiles into broadcasts.
+
+    A broadcast's destinations use distinct receive ports (distinct tiles; distinct supertile
+    pairs when ``paired``); on-tile copies stay single. Deterministic in the transfers' order."""
+    groups: dict[tuple, list[list]] = {}
+    seen: dict[tuple, int] = {}     # (source rows, port) -> groups of those rows holding the port
+    out: list[list] = []
+    for t in transfers:
+        st, sb, so, ss, dt, db, do, ds, rows, rb = t[:10]
+        if st == dt:
+            out.append(list(t))
+            continue
+        source = (st, sb, so, ss, rows, rb)
+        k = (source, dt // 2 if paired else dt)
+        n = seen.get(k, 0)          # the first group of these rows without this port
+        seen[k] = n + 1
+        found = groups.setdefault(source, [])
+        if n < len(found):
+            found[n].extend([dt, db, do, ds])
+        else:
+            found.append([st, sb, so, ss, dt, db, do, ds, rows, rb])
+            out.append(found[-1])
+    return out
+
+
+def _ports_and_duration(t: list, machine: dict, paired: bool) -> tuple[list, int]:
+    x = machine["exchange"]
+    st, rows, nbytes = t[0], t[8], t[8] * t[9]
+    if st == t[4] and len(t) == 10:
+        return [("local", st)], x["transfer_setup_cycles"] * rows + ceil_div(nbytes, x["local_copy_bytes_per_cycle"])
+    if paired:
+        return ([("send", st // 2), *sorted({("recv", d // 2) for d in destination_tiles(t)})],
+                x["paired_setup_cycles"] + x["transfer_setup_cycles"] * rows
+                + ceil_div(nbytes, x["paired_bytes_per_cycle"]))
+    return ([("send", st), *(("recv", d) for d in destination_tiles(t))],
+            x["transfer_setup_cycles"] * rows + ceil_div(nbytes, x["bytes_per_cycle"]))
+
+
+def _replay(info: list, order: list[int]) -> int:
+    """The horizon when transfers start in ``order``, each as soon as all its ports are free."""
+    free: dict = {}
+    horizon = 0
+    for i in order:
+        ports, dur = info[i]
+        start = max(free.get(p, 0) for p in ports)
+        for p in ports:
+            free[p] = start + dur
+        horizon = max(horizon, start + dur)
+    return horizon
+
+
+def _earliest_first(info: list, priority: list) -> list[int]:
+    """Transfers in the order of their earliest possible start (ties: ``priority``, smaller
+    first). Each waits on one port at a time — the one that last kept it from starting — so a
+    phase of n transfers costs about n log n, however many share a port."""
+    free: dict = collections.defaultdict(int)
+    waiting: dict = collections.defaultdict(list)          # port -> heap of (priority, i)
+    for i, (ports, _) in enumerate(info):
+        heapq.heappush(waiting[ports[0]], (priority[i], i))
+    ready = [(0, w[0][0], p) for p, w in waiting.items()]    # (port free at, top priority, port)
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        at, top, port = heapq.heappop(ready)
+        queue = waiting[port]
+        if not queue or at != free[port] or top != queue[0][0]:
+            continue                                        # superseded entry
+        _, i = heapq.heappop(queue)
+        ports, dur = info[i]
+        start, block = at, port
+        for q in ports:
+            if free[q] > start:
+                start, block = free[q], q
+        if block != port:                                   # wait on the port that keeps it
+            heapq.heappush(waiting[block], (priority[i], i))
+            heapq.heappush(ready, (free[block], waiting[block][0][0], block))
+        else:
+            order.append(i)
+            for q in ports:
+                free[q] = start + dur
+                if waiting[q] and q != port:
+                    heapq.heappush(ready, (free[q], waiting[q][0][0], q))
+        if queue:
+            heapq.heappush(ready, (free[port], queue[0][0], port))
+    return order
+
+
+def schedule(transfers: list[list], machine: dict, paired: bool) -> tuple[int, list[int]]:
+    """A list schedule of one exchange phase: each transfer occupies its source's send port and
+    its destinations' receive ports (an on-tile copy: the tile's local port) for its duration.
+    Two orders are tried and the shorter kept: largest first, and earliest start first (ties:
+    the transfer on the busiest port, then the longest). Ties are broken by content, so any
+    order of the same transfers gives the same horizon. Paired schedules pool a supertile's
+    two ports at twice the bandwidth but pay a setup per transfer. Returns (horizon, order)."""
+    info = [_ports_and_duration(t, machine, paired) for t in transfers]
+    rank = sorted(range(len(transfers)), key=lambda i: (transfers[i], i))
+    tie = [0] * len(transfers)
+    for r, i in enumerate(rank):
+        tie[i] = r
+    largest = sorted(range(len(transfers)), key=lambda i: (-transfers[i][8] * transfers[i][9], tie[i]))
+    load: dict = collections.defaultdict(int)
+    for ports, dur in info:
+        for p in ports:
+            load[p] += dur
+    first = (_replay(info, largest), largest)
+    if first[0] == max(load.values(), default=0):
+        return first                # the busiest port is never idle: nothing can be shorter
+    priority = [(-max(load[p] for p in ports), -dur, tie[i]) for i, (ports, dur) in enumerate(info)]
+    earliest = _earliest_first(info, priority)
+    return min(first, (_replay(info, earliest), earliest))
+
+
+def schedule_phase(transfers: list[list], machine: dict) -> dict:
+    """Compare ordinary and paired schedules of one exchange phase (each with its own
+    broadcasts) and keep the shorter."""
+    merged = coalesce(transfers)
+    plain, pairs = broadcasts(merged, paired=False), broadcasts(merged, paired=True)
+    ordinary, order_o = schedule(plain, machine, paired=False)
+    paired, order_p = schedule(pairs, machine, paired=True)
+    use_paired = paired < ordinary
+    chosen, order = (pairs, order_p) if use_paired else (plain, order_o)
+    return {"transfers": [chosen[i] for i in order],
+            "ordinary_horizon": ordinary, "paired_horizon": paired, "use_paired": use_paired,
+            "horizon": min(ordinary, paired), "candidates": len(merged)}
+
+
+def resolve(transfers: list[list], addresses: dict[str, dict[str, int]]) -> list[list]:
+    """Buffer-relative transfers to absolute ``[src_tile, src_addr, src_stride, dst_tile,
+    dst_addr, dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]`` entries."""
+    out = []
+    for t in transfers:
+        st, sb, so, ss, dt, db, do, ds, rows, rb = t[:10]
+        e = [st, addresses[str(st)][sb] + so, ss, dt, addresses[str(dt)][db] + do, ds, rows, rb]
+        for d, b, o, s in zip(t[10::4], t[11::4], t[12::4], t[13::4]):
+            e.extend([d, addresses[str(d)][b] + o, s])
+        out.append(e)
+    return out
+
+
+def entry_destinations(e: list) -> list[tuple]:
+    """``[(dst_tile, dst_addr, dst_stride), ...]`` of a placed entry."""
+    return [tuple(e[3:6]), *zip(e[8::3], e[9::3], e[10::3])]
+
+
+def merge_adjacent(entries: list[list]) -> list[list]:
+    """Merge single-row entries that became contiguous once placed (same source tile, same
+    destination tiles, adjacent addresses on every side); the order of the rest is kept."""
+    out: list[list] = []
+    for e in entries:
+        if out:
+            p = out[-1]
+            pd, ed = entry_destinations(p), entry_destinations(e)
+            if p[0] == e[0] and p[6] == 1 and e[6] == 1 and p[1] + p[7] == e[1] and len(pd) == len(ed) \
+                    and all(a[0] == b[0] and a[1] + p[7] == b[1] for a, b in zip(pd, ed)):
+                p[7] += e[7]
+                p[2] = p[5] = p[7]
+                p[10::3] = [p[7]] * len(p[10::3])
+                continue
+        out.append(list(e))
+    return out
+
+
+def horizon_of(entries: list[list], machine: dict, paired: bool) -> int:
+    """The horizon of placed entries (same model as ``schedule``; memoised: a search candidate
+    changes few exchange phases)."""
+    key = (tuple(map(tuple, entries)), paired, tuple(sorted(machine["exchange"].items())))
+    found = _horizons.get(key)
+    if found is None:
+        as_transfers = []
+        for e in entries:
+            st, sa, ss, dt, da, ds, rows, rb = e[:8]
+            t = [st, 0, sa, ss, dt, 0, da, ds, rows, rb]
+            for d, a, s in zip(e[8::3], e[9::3], e[10::3]):
+                t.extend([d, 0, a, s])
+            as_transfers.append(t)
+        found = schedule(as_transfers, machine, paired)[0]
+        if len(_horizons) > 4096:
+            _horizons.clear()
+        _horizons[key] = found
+    return found
+
+
+_horizons: dict = {}

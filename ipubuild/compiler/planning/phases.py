@@ -1,0 +1,333 @@
+"""The compiler's phases, by the reference's names, each a pure function of declared inputs.
+
+Artifacts: ``graph`` (IR JSON), ``params`` (constants and example inputs), ``layout`` (the
+search's choice), ``search`` (its convergence), ``program`` (steps, buffers, transfers), ``provisional_storage``,
+``exchange_schedule``, ``kernel_plan``, ``link_map``, ``code_sizes``, ``storage``,
+``exchange_tables``, ``placed_exchanges``, ``cost``, the per-tile families ``tile_program``,
+``tile_data``, ``tile_code``, ``tile_kernels`` and ``images`` (each an index of one blob per tile),
+then ``host_program`` and the package. See ``docs/architecture.md`` for the picture.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ...graph import tensors
+from ...graph.artifacts import graph_of, machine_of, params_of, to_json as _json
+from ...engine.engine import phase
+from ...engine.executors import run_phases
+from ...engine.log import log
+from . import codegen, exchange, storage as mem
+from .cost import program_cost
+from .program import build_program, kernels_per_tile
+
+OPS = ("ipubuild_operators",)
+
+
+def reservations_of(ctx) -> dict[str, int]:
+    """Code bytes reserved for each kernel variant the target compiles (``compile_kernels``)."""
+    return ctx.json("reservations")
+
+
+@phase("compile_runtime", inputs=("machine",), outputs=("runtime",), config=("target.tile_count",))
+def compile_runtime(ctx):
+    """The tile runtime's footprint: what the loader places before any generated code."""
+    m = machine_of(ctx)
+    layout = mem.tile_ranges(m, 0)
+    return {"runtime": _json({"linked_end": layout["linked_end"], "host_code_base": layout["host_code_base"],
+                              "host_code_bytes": m["code"]["host_code_bytes"],
+                              "tile_count": ctx.config["target"]["tile_count"]})}
+
+
+# planning (plan_package, the search's phase, is in search.py) -----------------------------------
+def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
+    """An upper bound of each tile's generated code before exchanges are scheduled. Its
+    exchange table: per step, the larger of the two tables the step's schedule may keep (its
+    coalesced transfers grouped into broadcasts for an ordinary or a paired schedule); placing
+    storage only merges entries."""
+    per_tile = kernels_per_tile(program)
+    table: dict[str, int] = {}
+    for step in program["steps"]:
+        if not step["transfers"]:
+            continue
+        merged = exchange.coalesce(step["transfers"])
+        sizes = []
+        for paired in (False, True):
+            size: dict[str, int] = {}
+            for t in exchange.broadcasts(merged, paired):
+                size[str(t[0])] = size.get(str(t[0]), 0) + codegen.exchange_bytes(1, len(exchange.destination_tiles(t))) \
+                    - codegen.exchange_bytes(0, 0)
+            sizes.append(size)
+        for tile in set(sizes[0]) | set(sizes[1]):
+            table[tile] = table.get(tile, 0) + max(sizes[0].get(tile, 0), sizes[1].get(tile, 0))
+    return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
+            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []))
+            for tile in program["buffers"]}
+
+
+def _program_size(program, tile, kernels):
+    steps = [[s, [[kernels.index(k), a] for k, a in step["vertices"].get(tile, [])]]
+             for s, step in enumerate(program["steps"]) if tile in step["vertices"]]
+    return codegen.program_bytes(kernels, steps)
+
+
+def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
+    out = {}
+    align = machine["memory"]["alignment"]
+    for tile, bufs in program["buffers"].items():
+        ranges = mem.tile_ranges(machine, code.get(tile, 0))
+        if ranges["code_end"] > machine["memory"]["executable_end"]:
+            from ...engine.errors import UserError
+            raise UserError(f"tile {tile}", f"generated code needs {code[tile]} bytes but the "
+                            f"executable region holds {machine['memory']['executable_end'] - ranges['code_address']}; "
+                            "raise target.tile_count")
+        out[tile] = {"code_bytes": code.get(tile, 0), "ranges": ranges,
+                     "addresses": mem.allocate(bufs, ranges["available_ranges"], align, tile=int(tile),
+                                               names=_BufferNames(bufs, program["names"]))}
+    return out
+
+
+class _BufferNames:
+    """Buffer id -> the name of the tensor it holds (for error messages; looked up lazily)."""
+
+    def __init__(self, buffers: dict, names: dict):
+        self.buffers, self.names = buffers, names
+
+    def get(self, bid, default=None):
+        return self.names.get(self.buffers.get(bid, {}).get("value"), default)
+
+
+@phase("place_provisional_storage", inputs=("graph", "layout", "machine", "reservations"),
+       outputs=("program", "provisional_storage"), config=("target.tile_count",), hooks=OPS)
+def place_provisional_storage(ctx):
+    g, m = graph_of(ctx), machine_of(ctx)
+    program = build_program(g, ctx.json("layout"), ctx.config["target"]["tile_count"])
+    code = provisional_code_bytes(program, reservations_of(ctx))
+    return {"program": _json(program), "provisional_storage": _json(_allocate_all(program, code, m))}
+
+
+@phase("schedule_exchange_phase", inputs=("transfers", "machine"), outputs=("schedule",))
+def schedule_exchange_phase(ctx):
+    """One exchange phase's schedule: a sub-phase, so that identical phases (in this program or
+    in a search candidate) reuse it from the cache."""
+    return {"schedule": _json(exchange.schedule_phase(ctx.json("transfers"), machine_of(ctx)))}
+
+
+@phase("schedule_provisional_exchanges", inputs=("program", "machine"), outputs=("exchange_schedule",))
+def schedule_provisional_exchanges(ctx):
+    program = ctx.json("program")
+    out = []
+    for s, step in enumerate(program["steps"]):
+        if not step["transfers"]:
+            out.append({"transfers": [], "horizon": 0, "use_paired": False})
+            continue
+        transfers = ctx.engine.put(_json(step["transfers"]), pin=True)
+        r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
+        sched = ctx.engine.decoded(r.outputs["schedule"])
+        if r.hit:
+            log.info("reused exchange optimization after validating relocated rows", phase=s)
+        else:
+            log.info("compared ordinary and paired exchange schedules", phase=s, candidates=sched["candidates"],
+                     ordinary_horizon=sched["ordinary_horizon"], paired_horizon=sched["paired_horizon"],
+                     use_paired=sched["use_paired"])
+        out.append(sched)
+    return {"exchange_schedule": _json(out)}
+
+
+@phase("plan_kernels", inputs=("program",), outputs=("kernel_plan",))
+def plan_kernels(ctx):
+    program = ctx.json("program")
+    per_tile = kernels_per_tile(program)
+    vertices = {t: sum(len(step["vertices"].get(t, [])) for step in program["steps"]) for t in per_tile}
+    return {"kernel_plan": _json({"tiles": per_tile, "vertices": vertices,
+                                  "kernels": sorted({k for ks in per_tile.values() for k in ks})})}
+
+
+@phase("link_runtime", inputs=("kernel_plan", "runtime", "machine", "reservations"), outputs=("link_map",))
+def link_runtime(ctx):
+    """Kernel code addresses per tile, from the reservations (not the objects: an edit that
+    stays inside its reservation moves nothing)."""
+    plan, runtime, m = ctx.json("kernel_plan"), ctx.json("runtime"), machine_of(ctx)
+    res = reservations_of(ctx)
+    base = mem.tile_ranges(m, 0)["code_address"]
+    out = {}
+    for tile, kernels in plan["tiles"].items():
+        addr, placed = base, []
+        for k in kernels:
+            placed.append([k, addr, res[k]])
+            addr += res[k]
+        out[tile] = {"kernels": placed, "kernel_bytes": addr - base}
+    return {"link_map": _json({"runtime": runtime, "tiles": out})}
+
+
+@phase("link_kernels", inputs=("link_map", "objects"), outputs=("tile_kernels/*",))
+def link_kernels(ctx):
+    """Bind each tile's kernel slots to the compiled objects' digests (one member per tile, so
+    an edited kernel changes only the tiles that run it)."""
+    objects = ctx.family("objects")
+    return {f"tile_kernels/{tile}": _json([[k, addr, size, objects[k]] for k, addr, size in info["kernels"]])
+            for tile, info in ctx.json("link_map")["tiles"].items()}
+
+
+@phase("size_tile_code", inputs=("program", "link_map", "exchange_schedule"), outputs=("code_sizes",))
+def size_tile_code(ctx):
+    program, link, sched = ctx.json("program"), ctx.json("link_map"), ctx.json("exchange_schedule")
+    entries: dict[str, int] = {}
+    dests: dict[str, int] = {}
+    for s in sched:
+        for t in s["transfers"]:
+            entries[str(t[0])] = entries.get(str(t[0]), 0) + 1
+            dests[str(t[0])] = dests.get(str(t[0]), 0) + len(exchange.destination_tiles(t))
+    out = {}
+    for tile in program["buffers"]:
+        kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
+        prog = _program_size(program, tile, kernels)
+        xch = codegen.exchange_bytes(entries.get(tile, 0), dests.get(tile, 0))
+        kb = link["tiles"].get(tile, {"kernel_bytes": 0})["kernel_bytes"]
+        out[tile] = {"kernel_bytes": kb, "program_bytes": prog, "exchange_table_bytes": xch,
+                     "total": kb + prog + xch}
+    biggest = max(v["exchange_table_bytes"] for v in out.values())
+    log.info("exchange table and repeat patch storage", exchange_table_bytes=biggest,
+             maximum_uncompressed_repeat_patch_bytes=0, maximum_elided_arithmetic_patch_bytes=0)
+    return {"code_sizes": _json(out)}
+
+
+@phase("place_storage", inputs=("program", "code_sizes", "machine"), outputs=("storage",))
+def place_storage(ctx):
+    program, sizes, m = ctx.json("program"), ctx.json("code_sizes"), machine_of(ctx)
+    placed = _allocate_all(program, {t: v["total"] for t, v in sizes.items()}, m)
+    t = max(placed, key=lambda k: (sizes[k]["total"], -int(k)))
+    r, s, c = placed[t]["ranges"], sizes[t], m["code"]
+    log.info("placing generated tile programs", linked_end=r["linked_end"], host_code_base=r["host_code_base"],
+             host_code_bytes=c["host_code_bytes"], generated_code_bytes=s["total"],
+             exchange_table_bytes=s["exchange_table_bytes"], executable_ranges=_ranges(r["executable_ranges"]))
+    log.info("allocated package support memory", linked_end=r["linked_end"], profile_bytes=c["profile_bytes"],
+             exchange_table_bytes=s["exchange_table_bytes"], host_code_bytes=c["host_code_bytes"],
+             host_data_bytes=c["host_data_bytes"], generated_code_bytes=s["total"],
+             code_address=r["code_address"], available_ranges=_ranges(r["available_ranges"]))
+    return {"storage": _json(placed)}
+
+
+def _ranges(rs) -> str:
+    return "[" + ", ".join(f"({a}, {b})" for a, b in rs) + "]"
+
+
+@phase("lower_exchanges", inputs=("exchange_schedule", "storage"), outputs=("exchange_tables",))
+def lower_exchanges(ctx):
+    sched, placed = ctx.json("exchange_schedule"), ctx.json("storage")
+    addresses = {t: v["addresses"] for t, v in placed.items()}
+    return {"exchange_tables": _json([{"entries": exchange.resolve(s["transfers"], addresses),
+                                       "use_paired": s["use_paired"]} for s in sched])}
+
+
+@phase("optimize_exchange_placement", inputs=("exchange_tables", "program", "machine"),
+       outputs=("placed_exchanges", "cost"), hooks=OPS)
+def optimize_exchange_placement(ctx):
+    tables, program, m = ctx.json("exchange_tables"), ctx.json("program"), machine_of(ctx)
+    placed, horizons = [], []
+    for t in tables:
+        entries = exchange.merge_adjacent(t["entries"])
+        placed.append({"entries": entries, "use_paired": t["use_paired"]})
+        horizons.append(exchange.horizon_of(entries, m, t["use_paired"]) if entries else 0)
+    cost = program_cost(program, horizons, m)
+    log.info("costed final placed program", final_cycles=cost["final_cycles"], final_exchange=cost["final_exchange"])
+    log.info("bounded final placed program", lower_bound=cost["lower_bound"],
+             ratio=f"{cost['final_cycles'] / max(1, cost['lower_bound']):.3f}", peak_bound=cost["peak_bound"],
+             peak_ratio=f"{cost['final_cycles'] / max(1, cost['peak_bound']):.3f}")
+    return {"placed_exchanges": _json(placed), "cost": _json(cost)}
+
+
+# code and images -------------------------------------------------------------------------------
+@phase("prepare_tile_code", inputs=("graph", "params", "program", "storage", "placed_exchanges", "link_map",
+                                    "code_sizes"),
+       outputs=("tile_program/*", "tile_data/*", "host_program"))
+def prepare_tile_code(ctx):
+    g = graph_of(ctx)
+    program, placed, link, sizes = ctx.json("program"), ctx.json("storage"), ctx.json("link_map"), ctx.json("code_sizes")
+    addresses = {t: v["addresses"] for t, v in placed.items()}
+    consts, _ = params_of(ctx, g)
+    sends: dict[str, list] = {t: [] for t in program["buffers"]}
+    for s, table in enumerate(ctx.json("placed_exchanges")):
+        for e in table["entries"]:
+            sends[str(e[0])].append([s] + e)
+    out = {}
+    for tile, bufs in program["buffers"].items():
+        kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
+        addr = addresses[tile]
+        steps = []
+        for s, step in enumerate(program["steps"]):
+            verts = step["vertices"].get(tile)
+            if verts:
+                steps.append([s, [[kernels.index(k), [addr[a[1]] + a[2] if isinstance(a, list) else a for a in args]]
+                                  for k, args in verts]])
+        code_address = placed[tile]["ranges"]["code_address"]
+        kb = sizes[tile]["kernel_bytes"]
+        out[f"tile_program/{tile}"] = _json({
+            "kernels": kernels, "steps": steps, "exchange": sends[tile],
+            "paired": [t["use_paired"] for t in ctx.json("placed_exchanges")],
+            "addresses": {"program": code_address + kb,
+                          "exchange": code_address + kb + sizes[tile]["program_bytes"]}})
+        data = {}
+        for bid, b in bufs.items():
+            if "init" in b:
+                vk, r0, r1, c0, c1 = b["init"]
+                arr = consts[int(vk[1:])]
+                arr2 = arr.reshape(-1, arr.shape[-1]) if arr.ndim > 1 else arr.reshape(1, -1)
+                data[f"{g.values[int(vk[1:])].name}@{addr[bid]}"] = np.ascontiguousarray(arr2[r0:r1, c0:c1])
+        out[f"tile_data/{tile}"] = tensors.pack(data)
+    def binding(entry):
+        v = g.values[entry["value"]]
+        return {"name": v.name, "dtype": v.dtype, "shape": list(v.shape), "scale_exp": v.scale_exp,
+                "ranges": codegen.bindings(v, entry["ranges"], addresses)}
+    out["host_program"] = _json({
+        "initialize": {"phases": 1}, "run": {"phases": len(program["steps"])},
+        "steps": [s["name"] for s in program["steps"]],
+        "paired": [t["use_paired"] for t in ctx.json("placed_exchanges")],
+        "inputs": [binding(e) for e in program["inputs"]],
+        "outputs": [binding(e) for e in program["outputs"]]})
+    return out
+
+
+@phase("emit_tile_code", inputs=("tile_program",), outputs=("tile_code/*",))
+def emit_tile_code(ctx):
+    out = {}
+    for tile, digest in ctx.family("tile_program").items():
+        p = ctx.engine.decoded(digest)
+        prog = codegen.encode_program(p["kernels"], p["steps"])
+        xch = codegen.encode_exchange(p["exchange"])
+        out[f"tile_code/{tile}"] = tensors.pack({
+            "program": np.frombuffer(prog, np.uint8), "exchange": np.frombuffer(xch, np.uint8),
+            "addresses": np.array([p["addresses"]["program"], p["addresses"]["exchange"]], "<u4")})
+    return out
+
+
+@phase("build_tile_images", inputs=("tile_code", "tile_data", "tile_kernels"), outputs=("images",))
+def build_tile_images(ctx):
+    """Every used tile's image (and the idle tiles' one, as ``idle``), each by the
+    ``build_tile_image`` sub-phase: a tile whose code, data and kernels did not change is a
+    cache hit, so a kernel edit rebuilds only the images of the tiles that run it."""
+    code, data, kernels = (ctx.family(n) for n in ("tile_code", "tile_data", "tile_kernels"))
+    images, built = {}, 0
+    tiles = sorted(code, key=int)
+    calls = [("build_tile_image", {"tile_code": code[t], "tile_data": data[t], "tile_kernels": kernels[t]}, {})
+             for t in tiles]
+    for tile, r in zip(tiles, run_phases(ctx.engine, calls)):     # here, or on a cluster
+        images[tile] = r.outputs["image"]
+        built += not r.hit
+    images["idle"] = ctx.engine.run("build_idle_image", {}, {}).outputs["image"]
+    log.info("built tile images", tiles=len(code), rebuilt=built, reused=len(code) - built)
+    return {"images": _json(images)}
+
+
+@phase("build_tile_image", inputs=("tile_code", "tile_data", "tile_kernels"), outputs=("image",))
+def build_tile_image(ctx):
+    code = tensors.unpack(ctx.bytes("tile_code"))
+    prog_addr, xch_addr = (int(a) for a in code["addresses"])
+    data = tensors.unpack(ctx.bytes("tile_data"))
+    return {"image": codegen.build_image(
+        {"program": code["program"].tobytes(), "exchange": code["exchange"].tobytes(),
+         "addresses": {"program": prog_addr, "exchange": xch_addr}}, data, ctx.json("tile_kernels"))}
+
+
+@phase("build_idle_image", outputs=("image",))
+def build_idle_image(ctx):
+    return {"image": codegen.build_image({}, {}, [])}

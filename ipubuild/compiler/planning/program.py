@@ -1,0 +1,410 @@
+"""Lowering a graph under a layout into a bulk-synchronous program over tile buffers.
+
+The program is a list of steps. Each step is one exchange phase (transfers that gather the
+blocks its tiles read into contiguous local buffers) followed by one compute phase (vertices:
+kernel calls whose arguments point into those buffers). Buffers are per tile, with a size and a
+lifetime in steps; constants are initialised by the tile image, graph inputs written by the host.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from ...engine.errors import UserError
+from ...graph.ir import Graph
+from ...graph.operators import key, registry
+
+
+def row_keys(rows: np.ndarray) -> np.ndarray:
+    """One uint64 per row of an int array (a polynomial hash of its fields), to compare rows as
+    numbers."""
+    key = np.zeros(len(rows), np.uint64)
+    for column in rows.T:
+        key = key * np.uint64(0x9E3779B97F4A7C15) + column.astype(np.uint64)
+    return key
+
+
+class Blocks:
+    """Where the blocks of one value are stored — ``(tile, buffer, (r0, r1, c0, c1))`` — with
+    fast lookup of the blocks a read overlaps (vectorised once there are many, and remembered
+    until the next block is added)."""
+
+    def __init__(self):
+        self.items: list = []
+        self._exact: dict = {}
+        self._arr = self._tiles = self._grid = self._keys = None
+        self._memo: dict = {}
+
+    def add(self, tile, buf, blk) -> None:
+        blk = tuple(blk)
+        self.items.append((tile, buf, blk))
+        self._exact.setdefault((tile, blk), buf)
+        self._arr = self._tiles = self._grid = self._keys = None
+        self._memo = {}
+
+    def extend(self, tile_blocks, buf) -> None:
+        """``add(tile, buf, blk)`` for each ``(tile, blk)``."""
+        for tile, blk in tile_blocks:
+            self.items.append((tile, buf, blk))
+            self._exact.setdefault((tile, blk), buf)
+        self._arr = self._tiles = self._grid = self._keys = None
+        self._memo = {}
+
+    def exact(self, tile, blk):
+        return self._exact.get((tile, tuple(blk)))
+
+    def keys(self) -> np.ndarray:
+        """``row_keys`` of each stored ``(tile, r0, r1, c0, c1)``."""
+        if self._keys is None:
+            tiles, blks = self.arrays()
+            self._keys = row_keys(np.concatenate([tiles[:, None], blks], axis=1))
+        return self._keys
+
+    def arrays(self) -> tuple:
+        """(tiles, blocks): the stored blocks as arrays ``[n]`` and ``[n, 4]``."""
+        if self._arr is None or len(self._arr) != len(self.items):
+            self._arr = np.array([b for _, _, b in self.items], dtype=np.int64).reshape(-1, 4)
+        if getattr(self, "_tiles", None) is None or len(self._tiles) != len(self.items):
+            self._tiles = np.array([t for t, _, _ in self.items], dtype=np.int64)
+        return self._tiles, self._arr
+
+    def pairs(self, reads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(read index, stored index) of every stored block overlapping a read block (rows of
+        ``reads``: ``[r0, r1, c0, c1]``). Stored blocks that form a grid (row intervals that
+        do not overlap, nor do column intervals; replicas allowed) are looked up by binary
+        search on the grid's bands; others against every stored block."""
+        _, a = self.arrays()
+        if self._grid is None:
+            self._grid = _grid_of(a)
+        if self._grid is False:
+            hit = ((a[None, :, 0] < reads[:, None, 1]) & (a[None, :, 1] > reads[:, None, 0])
+                   & (a[None, :, 2] < reads[:, None, 3]) & (a[None, :, 3] > reads[:, None, 2]))
+            return np.nonzero(hit)
+        rows, cols, starts, members = self._grid
+        i0, i1 = np.searchsorted(rows[:, 1], reads[:, 0], "right"), np.searchsorted(rows[:, 0], reads[:, 1], "left")
+        j0, j1 = np.searchsorted(cols[:, 1], reads[:, 2], "right"), np.searchsorted(cols[:, 0], reads[:, 3], "left")
+        ni, nj = np.maximum(i1 - i0, 0), np.maximum(j1 - j0, 0)
+        ri, q = _expand(ni * nj)
+        cell = (i0[ri] + q // nj[ri]) * len(cols) + j0[ri] + q % nj[ri]
+        ci, k = _expand(starts[cell + 1] - starts[cell])
+        return ri[ci], members[starts[cell[ci]] + k]
+
+    def overlapping(self, blk) -> list:
+        """``[(tile, buf, stored block, intersection)]`` for stored blocks overlapping ``blk``."""
+        blk = tuple(blk)
+        if blk not in self._memo:
+            self._memo[blk] = self._overlapping(blk)
+        return self._memo[blk]
+
+    def _overlapping(self, blk) -> list:
+        rr0, rr1, rc0, rc1 = blk
+        if len(self.items) < 32:
+            idx = range(len(self.items))
+        else:
+            if self._arr is None:
+                self._arr = np.array([b for _, _, b in self.items], dtype=np.int64).reshape(-1, 4)
+            a = self._arr
+            idx = np.nonzero((a[:, 0] < rr1) & (a[:, 1] > rr0) & (a[:, 2] < rc1) & (a[:, 3] > rc0))[0].tolist()
+        out = []
+        for i in idx:
+            tile, buf, (sr0, sr1, sc0, sc1) = self.items[i]
+            ir0, ir1, ic0, ic1 = max(rr0, sr0), min(rr1, sr1), max(rc0, sc0), min(rc1, sc1)
+            if ir0 < ir1 and ic0 < ic1:
+                out.append((tile, buf, (sr0, sr1, sc0, sc1), (ir0, ir1, ic0, ic1)))
+        return out
+
+
+def _grid_of(blocks: np.ndarray):
+    """``(row bands, column bands, cell starts, stored indices by cell)`` if ``blocks`` (rows
+    ``[r0, r1, c0, c1]``) lie on a grid of bands that do not overlap, else False."""
+    bands = []
+    span = int(blocks.max(initial=0)) + 1
+    for lo, hi in ((0, 1), (2, 3)):
+        k = np.unique(blocks[:, lo] * span + blocks[:, hi])     # the distinct intervals, sorted
+        b = np.stack([k // span, k % span], axis=1)
+        if len(b) > 1 and (b[1:, 0] < b[:-1, 1]).any():
+            return False
+        bands.append(b)
+    rows, cols = bands
+    i = np.searchsorted(rows[:, 0], blocks[:, 0])
+    j = np.searchsorted(cols[:, 0], blocks[:, 2])
+    cell = i * len(cols) + j
+    members = np.argsort(cell, kind="stable")
+    starts = np.searchsorted(cell[members], np.arange(len(rows) * len(cols) + 1))
+    return rows, cols, starts, members
+
+
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``counts[i]`` items of each ``i``: each item's ``i`` and its index among them."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    first = np.cumsum(counts) - counts
+    return owner, np.arange(len(owner)) - first[owner]
+
+
+def default_layout(graph: Graph, tile_count: int) -> dict:
+    """Every operation on its default (first) plan, starting at tile 0."""
+    return {"ops": {str(op.id): {"plan": 0, "offset": 0} for op in graph.ops}}
+
+
+def plans_of(graph: Graph, tile_count: int) -> dict[int, list[dict]]:
+    reg = registry()
+    return {op.id: reg.get(op.type).plans(graph, op, tile_count) for op in graph.ops}
+
+
+class PlanResolver:
+    """What a layout makes of each operation's plans: a concrete plan and a tile offset.
+
+    A layout gives every operation a plan index and an offset. A follow plan (``{"follow": i}``)
+    becomes the concrete plan that runs the operation on the tiles where the producer of its
+    input ``i`` wrote that input, at the producer's offset (its own offset is unused), so that
+    input needs no exchange; chains of followers resolve in program order. Concrete plans and
+    lowerings are cached by the choices they depend on."""
+
+    _cache: dict = {}
+
+    def __init__(self, graph: Graph, tile_count: int, plans: dict | None = None):
+        self.graph, self.tile_count = graph, tile_count
+        self.reg = registry()
+        self.plans = plans if plans is not None else plans_of(graph, tile_count)
+        self.producer = graph.producer()
+        self._plan: dict = {}
+        self._lowered: dict = {}
+
+    @classmethod
+    def of(cls, graph: Graph, tile_count: int) -> "PlanResolver":
+        """The resolver of a graph, kept for the process: a search builds the programs of many
+        layouts of one graph, and their plans and lowerings are the same."""
+        key = (graph.digest(), tile_count, id(registry()))
+        found = cls._cache.get(key)
+        if found is None:
+            if len(cls._cache) >= 4:
+                cls._cache.clear()
+            found = cls._cache[key] = cls(graph, tile_count)
+        return found
+
+    def resolve(self, layout: dict) -> dict[int, tuple]:
+        """``{op id: (choice, offset)}``: ``choice`` names the concrete plan (the plan index,
+        and for a follow plan the producer's choice); ``offset`` is where its tiles start."""
+        out = {}
+        for op in self.graph.ops:
+            c = layout["ops"][str(op.id)]
+            i = c["plan"]
+            if not 0 <= i < len(self.plans[op.id]):
+                raise UserError(f"layout of operation {op.name}", f"plan {i} out of range")
+            plan = self.plans[op.id][i]
+            if "follow" in plan:
+                choice, offset = out[self.producer[op.inputs[plan["follow"]]].id]
+                out[op.id] = ((i, choice), offset)
+            else:
+                out[op.id] = ((i,), c["offset"])
+        return out
+
+    def plan(self, op, choice: tuple) -> dict:
+        """The concrete plan of a choice; ValueError if it follows blocks it cannot follow."""
+        k = (op.id, choice)
+        if k not in self._plan:
+            plan = self.plans[op.id][choice[0]]
+            if "follow" in plan:
+                v = op.inputs[plan["follow"]]
+                producer = self.producer[v]
+                blocks = [(w.tile, *b[1:]) for st in self.lowering(producer, choice[1]).stages
+                          for w in st for b in w.writes if b[0] == key(v)]
+                try:
+                    plan = self.reg.get(op.type).follow(self.graph, op, plan["follow"], blocks)
+                except ValueError as exc:
+                    plan = exc
+            self._plan[k] = plan
+        if isinstance(self._plan[k], ValueError):
+            raise self._plan[k]
+        return self._plan[k]
+
+    def lowering(self, op, choice: tuple):
+        k = (op.id, choice)
+        if k not in self._lowered:
+            self._lowered[k] = self.reg.get(op.type).lower(self.graph, op, self.plan(op, choice))
+        return self._lowered[k]
+
+
+def work_of(graph: Graph) -> list[dict]:
+    """Each operation's multiply-accumulates (with the dtype of its first input, which picks
+    the AMP rate) and output elements: what the program-independent bound charges."""
+    reg = registry()
+    out = []
+    for op in graph.ops:
+        v = graph.values[op.outputs[0]]
+        out.append({"op": op.name, "macs": int(reg.get(op.type).macs(graph, op)),
+                    "dtype": graph.values[op.inputs[0]].dtype, "elements": v.rows * v.cols})
+    return out
+
+
+def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
+    resolver = PlanResolver.of(graph, tile_count)
+    resolved = resolver.resolve(layout)
+    steps: list[dict] = []
+    buffers: dict[int, dict[str, dict]] = {t: {} for t in range(tile_count)}
+    stored: dict[str, Blocks] = defaultdict(Blocks)
+    const_bufs: dict[tuple, str] = {}
+    input_bufs: dict[tuple, str] = {}
+    temps: dict[str, tuple] = {}
+    inputs, constants = set(graph.inputs), set(graph.constants)
+    consumers = graph.consumers()
+    counter = [0]
+
+    info: dict[str, tuple] = {}
+
+    def vinfo(vk):
+        if vk not in info:
+            if vk.startswith("v"):
+                v = graph.values[int(vk[1:])]
+                info[vk] = v.rows, v.cols, v.itemsize, v.name
+            else:
+                rows, cols, dtype = temps[vk]
+                info[vk] = rows, cols, {"f32": 4, "f16": 2}.get(dtype, 1), vk
+        return info[vk]
+
+    def new_buf(tile, kind, size, start, **extra):
+        counter[0] += 1
+        bid = f"{kind}{counter[0]}"
+        buffers[tile][bid] = {"size": size, "start": start, "end": start, **extra}
+        return bid
+
+    def use(tile, bid, step):
+        b = buffers[tile][bid]
+        b["end"] = max(b["end"], step)
+
+    for op in graph.ops:
+        choice, offset = resolved[op.id]
+        try:
+            lowering = resolver.lowering(op, choice)
+        except ValueError as exc:
+            raise UserError(f"layout of operation {op.name}", f"its plan cannot follow its producer: {exc}") from None
+        temps.update(lowering.temps)
+
+        def phys(t):
+            return (offset + t) % tile_count
+
+        inplace = _casts_in_place(graph, op, consumers)
+        for stage_index, stage in enumerate(lowering.stages):
+            s = len(steps)
+            step = {"name": f"{op.name}#{stage_index}" if len(lowering.stages) > 1 else op.name,
+                    "op": op.id, "transfers": [], "vertices": {}, "writes": []}
+            gathered: dict[tuple, str] = {}
+            for work in stage:
+                if not 0 <= work.tile < tile_count:
+                    raise UserError(f"operation {op.name}", f"its plan {resolver.plans[op.id][choice[0]]} needs tile "
+                                    f"{work.tile} but the target has {tile_count}; raise target.tile_count")
+                tile = phys(work.tile)
+                read_bufs = []
+                for blk in work.reads:
+                    vk, r0, r1, c0, c1 = blk
+                    rows, cols, isz, name = vinfo(vk)
+                    size = (r1 - r0) * (c1 - c0) * isz
+                    vid = int(vk[1:]) if vk.startswith("v") else None
+                    if vid in constants:
+                        k = (tile, blk)
+                        if k not in const_bufs:
+                            const_bufs[k] = new_buf(tile, "c", size, 0, init=list(blk), value=vk)
+                        bid = const_bufs[k]
+                    elif vid in inputs:
+                        k = (tile, blk)
+                        if k not in input_bufs:
+                            input_bufs[k] = new_buf(tile, "i", size, 0, input=list(blk), value=vk)
+                        bid = input_bufs[k]
+                    else:
+                        exact = stored[vk].exact(tile, (r0, r1, c0, c1))
+                        if exact is not None:
+                            bid = exact
+                        elif (tile, blk) in gathered:
+                            bid = gathered[(tile, blk)]
+                        else:
+                            bid = gathered[(tile, blk)] = new_buf(tile, "g", size, s, value=vk)
+                            step["transfers"].extend(_transfers(stored[vk], blk, tile, bid, isz, name, use, s))
+                    use(tile, bid, s)
+                    read_bufs.append(bid)
+                write_bufs = []
+                for blk in work.writes:
+                    vk, r0, r1, c0, c1 = blk
+                    rows, cols, isz, name = vinfo(vk)
+                    if inplace and not read_bufs[0].startswith(("c", "i")):
+                        bid = read_bufs[0]          # the cast overwrites its input's buffer
+                    else:
+                        bid = new_buf(tile, "o", (r1 - r0) * (c1 - c0) * isz, s, value=vk, block=list(blk[1:]))
+                    stored[vk].add(tile, bid, (r0, r1, c0, c1))
+                    write_bufs.append(bid)
+                verts = step["vertices"].setdefault(str(tile), [])
+                first = len(verts)
+                for kernel, args in work.vertices:
+                    verts.append([kernel, [_arg(a, read_bufs, write_bufs) for a in args]])
+                # which buffer holds each block written, and the vertices that wrote it (for read-back)
+                step["writes"].extend([tile, bid, *blk, first, len(verts)] for bid, blk in zip(write_bufs, work.writes))
+            steps.append(step)
+
+    end = len(steps)
+    for tile, bufs in buffers.items():
+        for b in bufs.values():
+            if "init" in b:
+                b["end"] = end          # constants persist across runs
+    outputs = []
+    for vid in graph.outputs:
+        v = graph.values[vid]
+        ranges = []
+        for tile, bid, (r0, r1, c0, c1) in stored[f"v{vid}"].items:
+            buffers[tile][bid]["end"] = end
+            ranges.append([tile, bid, r0, r1, c0, c1])
+        outputs.append({"value": vid, "name": v.name, "ranges": sorted(ranges)})
+    in_ranges = defaultdict(list)
+    for (tile, blk), bid in sorted(input_bufs.items()):
+        in_ranges[int(blk[0][1:])].append([tile, bid, *blk[1:]])
+    return {
+        "tile_count": tile_count,
+        "steps": steps,
+        "buffers": {str(t): dict(sorted(b.items())) for t, b in sorted(buffers.items())},
+        "inputs": [{"value": vid, "name": graph.values[vid].name, "ranges": in_ranges[vid]}
+                   for vid in graph.inputs],
+        "outputs": outputs,
+        "names": {**{f"v{vid}": v.name for vid, v in graph.values.items()}, **{t: t for t in temps}},
+        "work": work_of(graph),
+    }
+
+
+def _casts_in_place(graph: Graph, op, consumers) -> bool:
+    """A cast stores its output over its input when the cast storage policy says ``inplace``
+    for it, the cast narrows (the kernel then runs forward safely in place), and nothing else
+    reads the input."""
+    if op.type != "cast" or graph.cast_storage.for_site(op) != "inplace":
+        return False
+    src, dst = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
+    return (dst.itemsize <= src.itemsize and len(consumers[src.id]) == 1
+            and src.id not in graph.outputs and src.id not in graph.inputs and src.id not in graph.constants)
+
+
+def _arg(a, reads, writes):
+    if isinstance(a, tuple):
+        kind, i, off = a
+        return ["b", (reads if kind == "r" else writes)[i], off]
+    return a
+
+
+def _transfers(sources: Blocks, blk, tile, bid, isz, name, use, step):
+    vk, rr0, rr1, rc0, rc1 = blk
+    covered = 0
+    out = []
+    for src_tile, src_buf, (sr0, sr1, sc0, sc1), (ir0, ir1, ic0, ic1) in sources.overlapping((rr0, rr1, rc0, rc1)):
+        covered += (ir1 - ir0) * (ic1 - ic0)
+        use(src_tile, src_buf, step)
+        out.append([src_tile, src_buf, ((ir0 - sr0) * (sc1 - sc0) + (ic0 - sc0)) * isz, (sc1 - sc0) * isz,
+                    tile, bid, ((ir0 - rr0) * (rc1 - rc0) + (ic0 - rc0)) * isz, (rc1 - rc0) * isz,
+                    ir1 - ir0, (ic1 - ic0) * isz])
+    if covered != (rr1 - rr0) * (rc1 - rc0):
+        raise AssertionError(f"block {blk} of {name} is not covered by its producer's blocks")
+    return out
+
+
+def kernels_per_tile(program: dict) -> dict[str, list[str]]:
+    """The kernel variants each tile runs (every tile of the target, possibly none)."""
+    out: dict[str, set] = {t: set() for t in program["buffers"]}
+    for step in program["steps"]:
+        for tile, verts in step["vertices"].items():
+            out[tile].update(k for k, _ in verts)
+    return {t: sorted(ks) for t, ks in sorted(out.items(), key=lambda kv: int(kv[0]))}

@@ -1,0 +1,97 @@
+"""Tile memory: the address ranges a tile offers, and liveness-based buffer allocation.
+
+Code (the host-exchange handler, kernels, the tile program, exchange tables) goes in the
+executable region below ``executable_end``; data goes in the ranges the runtime leaves free and
+above the code, up to the loader limit. Buffers whose lifetimes (in program steps) overlap never
+share bytes; others may.
+"""
+from __future__ import annotations
+
+import bisect
+
+from ...engine.errors import UserError
+
+
+def align_up(x: int, a: int) -> int:
+    return -(-x // a) * a
+
+
+def tile_ranges(machine: dict, code_bytes: int) -> dict:
+    """The memory map of one tile whose generated code takes ``code_bytes``."""
+    m, c = machine["memory"], machine["code"]
+    data_start = align_up(m["runtime_linked_end"], 4096)
+    (res_lo, res_hi), = m["runtime_reserved"]
+    host = m["host_code_base"]
+    code_address = align_up(host + c["host_code_bytes"], 64)
+    code_end = code_address + code_bytes
+    available = [[data_start, res_lo], [res_hi, host],
+                 [align_up(code_end, m["element_bytes"]), m["loader_limit"]]]
+    return {"linked_end": m["runtime_linked_end"], "host_code_base": host,
+            "code_address": code_address, "code_end": code_end,
+            "executable_ranges": [[code_address, m["executable_end"]]],
+            "available_ranges": [r for r in available if r[0] < r[1]]}
+
+
+def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, names=None) -> dict[str, int]:
+    """Addresses for ``{id: {"size", "start", "end"}}`` (first fit, earliest-born first; buffers
+    live at the same time never share bytes). ``names`` (buffer id -> tensor name) is used for
+    the error message only. Memoised: a search candidate re-plans few tiles."""
+    key = (tuple((b, v["size"], v["start"], v["end"]) for b, v in buffers.items()),
+           tuple(map(tuple, ranges)), alignment)
+    found = _memo.get(key)
+    if found is None:
+        found = _allocate(buffers, ranges, alignment, tile, names)
+        if len(_memo) > 8192:
+            _memo.clear()
+        _memo[key] = found
+    return dict(found)
+
+
+_memo: dict = {}
+
+
+def _allocate(buffers, ranges, alignment, tile, names) -> dict[str, int]:
+    placed: list[tuple[int, int, int, int]] = []   # addr, end address, start step, end step; by addr
+    out = {}
+    for bid in sorted(buffers, key=lambda b: (buffers[b]["start"], -buffers[b]["size"], b)):
+        b = buffers[bid]
+        start, end = b["start"], b["end"]
+        size = align_up(max(b["size"], 1), alignment)
+        addr = None
+        for lo, hi in ranges:
+            cursor = align_up(lo, alignment)
+            for a, e, st, en in placed:
+                if e <= cursor or st > end or start > en:
+                    continue           # below the cursor, or never live at the same time
+                if a >= hi or a - cursor >= size:
+                    break
+                cursor = max(cursor, align_up(e, alignment))
+            if cursor + size <= hi:
+                addr = cursor
+                break
+        if addr is None:
+            live = sorted((a, e - a) for a, e, st, en in placed if st <= end and start <= en)
+            name = (names or {}).get(bid, bid)
+            raise UserError(f"tile {tile}", f"tensor {name} needs {size} bytes but the largest free "
+                            f"block of tile memory is {_largest_gap(live, ranges, alignment)} bytes; raise "
+                            "target.tile_count or choose a plan that splits it further")
+        bisect.insort(placed, (addr, addr + size, start, end))
+        out[bid] = addr
+    return dict(sorted(out.items()))
+
+
+def _gaps(live, lo, hi, alignment):
+    cursor = align_up(lo, alignment)
+    for a, s in live:
+        if a + s <= cursor:
+            continue
+        if a >= hi:
+            break
+        yield cursor, min(a, hi)
+        cursor = max(cursor, align_up(a + s, alignment))
+    if cursor < hi:
+        yield cursor, hi
+
+
+def _largest_gap(live, ranges, alignment):
+    return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, alignment)), default=0)

@@ -1,0 +1,635 @@
+"""The application package (``.ipuexe``): one file a device loads, and its validating reader.
+
+Layout: a 96-byte header, a canonical-JSON manifest, then members (tile images, kernel objects,
+the host program) at 16-byte aligned offsets, sorted by member name::
+
+    0   magic  b"IPUEXE\\r\\n"             8   u32 format version    12  u32 flags (0)
+    16  compiler version (16 bytes, NUL padded)
+    32  u64 manifest offset   40  u64 manifest size   48  sha256 of the manifest (32 bytes)
+    80  u64 file size         88  reserved (8 zero bytes)
+
+Every member is named by its sha256 in the manifest and verified when read. The reader accepts
+a package only if every byte a consumer reads (``summarize``, a device backend) is what the
+schema below says: the manifest, the host program and every tile image's header are canonical
+JSON, nested at most ``MAX_DEPTH`` deep (checked before parsing), of the declared types and
+bounds; member paths cannot escape an extraction folder; members, segments, exchange entries
+and bindings lie inside the file, tile memory and their tensors; tile programs and exchange
+tables decode exactly and agree with the manifest's kernels, tiles and phases. Anything else is
+a one-line :class:`PackageError` naming what is wrong.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..engine import canonical
+from ..engine.errors import PackageError
+from ..engine.files import write_atomic
+from ..graph.ir import DTYPES
+from ..compiler.planning import codegen
+from ..compiler.planning.codegen import read_image
+
+MAGIC = b"IPUEXE\r\n"
+FORMAT_VERSION = 2   # 2: exchange tables of version 2 (broadcast entries; planning/codegen.py)
+HEADER = struct.Struct("<8sII16sQQ32sQ8s")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
+
+
+# limits: generous for any real machine and model, small enough that no consumer's loop,
+# allocation or recursion can be driven out of bounds by a hostile package
+MAX_JSON_BYTES = 16 << 20      # the manifest, the host program, a tile image's header
+MAX_DEPTH = 32                 # JSON nesting (real documents nest at most 5 deep)
+MAX_TILES = 1 << 14
+MAX_SRAM = 1 << 24             # bytes of one tile's memory
+MAX_PHASES = 1 << 16           # host-call phases (BSP steps)
+MAX_ITEMS = 1 << 20            # entries of any list: members, segments, binding ranges
+U64 = (1 << 64) - 1
+
+
+# schema ------------------------------------------------------------------------------------
+class _Invalid(Exception):
+    """A JSON value that does not match its schema: where it is (``inputs[0].ranges[2][1]``)
+    and what is wrong with it."""
+
+    def __init__(self, path: str, problem: str):
+        super().__init__(f"{path or 'the document'} {problem}")
+
+
+def _show(v) -> str:
+    """A short one-line picture of a hostile value for an error message."""
+    if isinstance(v, dict):
+        return f"an object of {len(v)} fields"
+    if isinstance(v, list):
+        return f"a list of {len(v)} items"
+    if isinstance(v, str):
+        return repr(v[:40]) + ("..." if len(v) > 40 else "")
+    return repr(v)
+
+
+class Int:
+    def __init__(self, lo: int = 0, hi: int = U64):
+        self.lo, self.hi = lo, hi
+
+    def check(self, v, path):
+        if type(v) is not int or not self.lo <= v <= self.hi:
+            raise _Invalid(path, f"is {_show(v)}, expected an integer in [{self.lo}, {self.hi}]")
+
+
+class Num:
+    """A finite int or float in ``[lo, hi]``."""
+
+    def __init__(self, lo: float, hi: float):
+        self.lo, self.hi = lo, hi
+
+    def check(self, v, path):
+        if type(v) not in (int, float) or not math.isfinite(v) or not self.lo <= v <= self.hi:
+            raise _Invalid(path, f"is {_show(v)}, expected a number in [{self.lo}, {self.hi}]")
+
+
+class Bool:
+    def check(self, v, path):
+        if type(v) is not bool:
+            raise _Invalid(path, f"is {_show(v)}, expected true or false")
+
+
+class Str:
+    """A printable string of at most ``max_len`` characters, matching ``pattern`` if given."""
+
+    def __init__(self, max_len: int = 256, pattern: str | None = None, what: str = ""):
+        self.max_len, self.pattern = max_len, pattern and re.compile(pattern)
+        self.what = what or f"a printable string of at most {max_len} characters"
+
+    def check(self, v, path):
+        if not (type(v) is str and len(v) <= self.max_len and v.isprintable()
+                and (self.pattern is None or self.pattern.fullmatch(v))):
+            raise _Invalid(path, f"is {_show(v)}, expected {self.what}")
+
+
+class Enum:
+    def __init__(self, *values):
+        self.values, self.typed = values, {(type(x), x) for x in values}
+
+    def check(self, v, path):
+        if type(v) not in (int, str) or (type(v), v) not in self.typed:
+            raise _Invalid(path, f"is {_show(v)}, expected one of {', '.join(map(repr, self.values))}")
+
+
+class List:
+    def __init__(self, item, max_len: int = MAX_ITEMS):
+        self.item, self.max_len = item, max_len
+
+    def check(self, v, path):
+        if type(v) is not list or len(v) > self.max_len:
+            raise _Invalid(path, f"is {_show(v)}, expected a list of at most {self.max_len} items")
+        for i, x in enumerate(v):
+            self.item.check(x, f"{path}[{i}]")
+
+
+class Tuple:
+    """A list of exactly ``len(items)`` items, each of its own schema."""
+
+    def __init__(self, *items):
+        self.items = items
+
+    def check(self, v, path):
+        if type(v) is not list or len(v) != len(self.items):
+            raise _Invalid(path, f"is {_show(v)}, expected a list of {len(self.items)} items")
+        for i, (schema, x) in enumerate(zip(self.items, v)):
+            schema.check(x, f"{path}[{i}]")
+
+
+class Obj:
+    """An object with exactly these fields (``extra``: other fields allowed and not looked at)."""
+
+    def __init__(self, fields: dict, extra: bool = False):
+        self.fields, self.extra = fields, extra
+
+    def check(self, v, path):
+        if type(v) is not dict:
+            raise _Invalid(path, f"is {_show(v)}, expected an object")
+        prefix = f"{path}." if path else ""
+        for name, schema in self.fields.items():
+            if name not in v:
+                raise _Invalid(prefix + name, "is missing")
+            schema.check(v[name], prefix + name)
+        if not self.extra:
+            for name in v:
+                if name not in self.fields:
+                    raise _Invalid(path, f"has an unknown field {_show(name)}")
+
+
+class Map:
+    """An object whose keys match ``key`` and whose values match ``value``."""
+
+    def __init__(self, key: Str, value, max_len: int = MAX_ITEMS):
+        self.key, self.value, self.max_len = key, value, max_len
+
+    def check(self, v, path):
+        if type(v) is not dict or len(v) > self.max_len:
+            raise _Invalid(path, f"is {_show(v)}, expected an object of at most {self.max_len} fields")
+        prefix = f"{path}." if path else ""
+        for name, x in v.items():
+            self.key.check(name, f"{path} key")
+            self.value.check(x, prefix + name)
+
+
+DIGEST = Str(64, r"[0-9a-f]{64}", "a sha256 hex digest")
+LABEL = Str()                                   # names of values, steps, targets: printed, never parsed
+KERNEL = Str(128, r"[A-Za-z_][A-Za-z0-9_.-]*", "a kernel name")
+MEMBER_PATH = Str(255, _SAFE_NAME.pattern, "a member path that cannot escape the extraction folder")
+ADDRESS, SIZE = Int(0, MAX_SRAM), Int(0, MAX_SRAM)
+COUNT, RATE = Int(0, 1 << 32), Int(1, 1 << 32)   # cycles, and per-cycle rates (divisors)
+PHASES = Obj({"phases": Int(0, MAX_PHASES)})
+
+MACHINE = Obj({                                 # what the simulator and the kernels' estimators read
+    "name": LABEL, "tiles": Int(1, MAX_TILES), "clock_hz": Num(1, 1e13), "workers": Int(1, 1 << 10),
+    "sram_base": ADDRESS, "sram_end": ADDRESS, "executable_end": ADDRESS, "loader_limit": ADDRESS,
+    "memory": Obj({"sram_base": ADDRESS, "sram_end": ADDRESS, "executable_end": ADDRESS,
+                   "loader_limit": ADDRESS}, extra=True),
+    "exchange": Obj({"bytes_per_cycle": RATE, "paired_bytes_per_cycle": RATE,
+                     "local_copy_bytes_per_cycle": RATE, "paired_setup_cycles": COUNT,
+                     "transfer_setup_cycles": COUNT, "sync_cycles": COUNT}, extra=True),
+    "compute": Obj({"vertex_overhead_cycles": COUNT, "amp_macs_per_cycle": Obj({d: RATE for d in DTYPES}),
+                    "vector_flops_per_cycle": RATE, "transcendental_cycles": COUNT,
+                    "copy_bytes_per_cycle": RATE}, extra=True),
+}, extra=True)                                  # the rest of the machine description rides along
+
+BINDING = Obj({                                 # a graph input or output and where its bytes live
+    "name": LABEL, "dtype": Enum(*DTYPES), "shape": List(Int(0, 1 << 31), 8),
+    "scale_exp": Int(-(1 << 31), (1 << 31) - 1),
+    "ranges": List(Tuple(Int(0, U64), SIZE, Int(0, MAX_TILES - 1), ADDRESS)),   # [offset, size, tile, address]
+})
+
+MANIFEST = Obj({
+    "format": Enum(FORMAT_VERSION), "compiler": Str(64), "target": LABEL,
+    "tiles": Int(1, MAX_TILES), "used_tiles": Int(0, MAX_TILES),
+    "idle_image": DIGEST, "tile_images": List(DIGEST, MAX_TILES),
+    "machine": MACHINE,
+    "kernels": Map(KERNEL, DIGEST, 1 << 12),
+    "host": Obj({"initialize": PHASES, "run": PHASES, "program": DIGEST}),
+    "inputs": List(BINDING, 1 << 12), "outputs": List(BINDING, 1 << 12),
+    "members": List(Tuple(MEMBER_PATH, Int(0, U64), Int(0, U64), DIGEST), 1 << 16),   # [path, offset, size, sha256]
+})
+
+HOST_PROGRAM = Obj({                            # member host/program.json
+    "initialize": PHASES, "run": PHASES,
+    "steps": List(LABEL, MAX_PHASES), "paired": List(Bool(), MAX_PHASES),   # per run phase
+    "inputs": List(BINDING, 1 << 12), "outputs": List(BINDING, 1 << 12),
+})
+
+IMAGE_ARRAYS = List(Tuple(                      # a tile image's array table (ipubuild.tensors layout)
+    Str(32, r"header|program|exchange|data@[0-9]{1,10}", "header, program, exchange or data@<address>"),
+    Enum("|u1"), Tuple(Int(0, U64)), Int(0, U64), Int(0, U64)),
+    MAX_ITEMS)                                  # [name, dtype, [size], offset, size]: placed in order
+
+TILE_IMAGE = Obj({                              # a tile image's header
+    "tile_image": Enum(1),
+    "segments": List(Tuple(Enum("kernel", "program", "exchange", "data"), LABEL, ADDRESS, SIZE, DIGEST)),
+})                                              # [kind, name, address, size, sha256]
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
+
+
+def _nesting(raw: bytes) -> int:
+    """How deep the brackets of JSON text nest outside its strings, without parsing it."""
+    text = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
+    opens = (text == ord("[")) | (text == ord("{"))
+    closes = (text == ord("]")) | (text == ord("}"))
+    return int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
+
+
+def _align(x: int, a: int = 16) -> int:
+    return -(-x // a) * a
+
+
+def write_package(manifest: dict, members: dict[str, bytes]) -> bytes:
+    """The package bytes for a manifest (without ``members``) and ``{name: bytes}``."""
+    names = sorted(members)
+    for n in names:
+        if not _SAFE_NAME.fullmatch(n) or ".." in n.split("/"):
+            raise ValueError(f"unsafe member name {n!r}")
+    # members are laid out after the manifest, whose size depends on their offsets: lay out
+    # relative offsets first, then shift by the manifest's (aligned) end.
+    rel, table = 0, []
+    for n in names:
+        table.append([n, rel, len(members[n]), canonical.digest(members[n])])
+        rel = _align(rel + len(members[n]))
+    base = 0
+    while True:
+        full = dict(manifest, members=[[n, base + off, size, d] for n, off, size, d in table])
+        raw = canonical.dumps(full)
+        start = _align(HEADER.size + len(raw))
+        if start == base:
+            break
+        base = start
+    body = bytearray(raw)
+    body += b"\0" * (base - HEADER.size - len(raw))
+    for n, off, size, d in table:
+        body += b"\0" * (base + off - HEADER.size - len(body))
+        body += members[n]
+    total = HEADER.size + len(body)
+    header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, __version__.encode()[:16].ljust(16, b"\0"),
+                         HEADER.size, len(raw), hashlib.sha256(raw).digest(), total, b"\0" * 8)
+    return header + bytes(body)
+
+
+class Package:
+    """A validated package: its manifest, and verified member bytes by name or digest.
+
+    ``images`` maps each tile image's digest to ``(header, {array name: bytes})``.
+    """
+
+    def __init__(self, data: bytes, where: str = "package"):
+        self.data, self.where = data, where
+        self.manifest = self._check()
+
+    def _fail(self, message: str):
+        raise PackageError(self.where, message)
+
+    def _document(self, raw: bytes, schema, what: str):
+        """Parse canonical JSON ``raw`` and check it against ``schema``."""
+        if len(raw) > MAX_JSON_BYTES:
+            self._fail(f"{what} is larger than {MAX_JSON_BYTES} bytes")
+        if _nesting(raw) > MAX_DEPTH:
+            self._fail(f"{what} nests deeper than {MAX_DEPTH} levels")
+        try:
+            value = json.loads(raw.decode("ascii"))
+        except ValueError:          # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            self._fail(f"{what} is not valid JSON")
+        try:
+            schema.check(value, "")
+        except _Invalid as exc:
+            self._fail(f"{what} is not valid: {exc}")
+        try:
+            canonical_form = canonical.dumps(value) == raw
+        except ValueError:          # NaN or infinity where the schema looks at nothing
+            canonical_form = False
+        if not canonical_form:
+            self._fail(f"{what} is not in canonical form")
+        return value
+
+    def _check(self) -> dict:
+        d = self.data
+        if len(d) < HEADER.size:
+            self._fail(f"truncated: {len(d)} bytes is shorter than the {HEADER.size}-byte header")
+        magic, version, flags, compiler, moff, msize, mhash, total, reserved = HEADER.unpack_from(d)
+        if magic != MAGIC:
+            self._fail("not an ipubuild package (wrong magic)")
+        if version != FORMAT_VERSION:
+            self._fail(f"unknown format version {version}; this reader knows {FORMAT_VERSION}: "
+                       "rebuild the package with this ipubuild")
+        if flags != 0 or reserved != b"\0" * 8:
+            self._fail("unknown header flags or reserved bytes")
+        if total != len(d):
+            self._fail(f"truncated or padded: header says {total} bytes, file has {len(d)}")
+        if moff != HEADER.size or moff + msize > len(d):
+            self._fail("manifest lies outside the file")
+        raw = d[moff:moff + msize]
+        if hashlib.sha256(raw).digest() != mhash:
+            self._fail("bad checksum of the manifest")
+        m = self._document(raw, MANIFEST, "manifest")
+        if compiler != m["compiler"].encode()[:16].ljust(16, b"\0"):
+            self._fail(f"the header's compiler field is not the manifest's compiler {_show(m['compiler'])}")
+        self.compiler = m["compiler"]
+        self._check_members(m["members"], moff + msize)
+        self._check_machine(m)
+        used = self._check_tiles(m)
+        host = self._check_host(m)
+        self.images = {}
+        for digest in sorted(set(m["tile_images"])):
+            self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
+                                              host["run"]["phases"])
+        for side in ("inputs", "outputs"):
+            self._check_bindings(m, side, used)
+        return m
+
+    def _check_members(self, members: list, start: int) -> None:
+        d = self.data
+        spans, self.by_name, self.by_digest = [], {}, {}
+        for name, off, size, digest in members:
+            if off < start or off + size > len(d):
+                self._fail(f"member {name} lies outside the file")
+            spans.append((off, off + size, name))
+            self.by_name[name] = (off, size, digest)
+            self.by_digest[digest] = name
+        if len(self.by_name) != len(members):
+            self._fail("duplicate member names")
+        for name in self.by_name:
+            parts = name.split("/")
+            for i in range(1, len(parts)):
+                if "/".join(parts[:i]) in self.by_name:
+                    self._fail(f"member {'/'.join(parts[:i])} is also the folder of member {name}")
+        spans.sort()
+        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+            if b0 < a1:
+                self._fail(f"members {an} and {bn} overlap")
+        for name, (off, size, digest) in self.by_name.items():
+            if canonical.digest(d[off:off + size]) != digest:
+                self._fail(f"bad checksum of member {name}")
+
+    def _check_machine(self, m: dict) -> None:
+        mc = m["machine"]
+        if not mc["sram_base"] <= mc["executable_end"] <= mc["loader_limit"] <= mc["sram_end"]:
+            self._fail("machine: expected sram_base <= executable_end <= loader_limit <= sram_end")
+        for k in ("sram_base", "sram_end", "executable_end", "loader_limit"):
+            if mc["memory"][k] != mc[k]:
+                self._fail(f"machine: memory.{k} is {mc['memory'][k]}, not {k} {mc[k]}")
+        if mc["tiles"] != m["tiles"]:
+            self._fail(f"machine has {mc['tiles']} tiles, the manifest {m['tiles']}")
+
+    def _check_tiles(self, m: dict) -> set[int]:
+        """The tiles that do not run the idle image (the ones a device loads)."""
+        tiles, images, idle = m["tiles"], m["tile_images"], m["idle_image"]
+        if len(images) != tiles:
+            self._fail(f"{len(images)} tile images for {tiles} tiles")
+        if m["used_tiles"] > tiles or any(d != idle for d in images[m["used_tiles"]:]):
+            self._fail(f"used_tiles {m['used_tiles']}: a tile past it does not run the idle image")
+        for digest in sorted(set(images)):
+            if digest not in self.by_digest:
+                self._fail(f"tile image {digest[:16]} is not in the package")
+        for name, digest in sorted(m["kernels"].items()):
+            if digest not in self.by_digest:
+                self._fail(f"object {digest[:16]} of kernel {name} is not in the package")
+        return {t for t, d in enumerate(images) if d != idle}
+
+    def _check_host(self, m: dict) -> dict:
+        host = m["host"]
+        if self.by_name.get("host/program.json", (0, 0, None))[2] != host["program"]:
+            self._fail(f"host program {host['program'][:16]} is not the package's member host/program.json")
+        p = self._document(self.member("host/program.json"), HOST_PROGRAM, "host program")
+        same = {"initialize": host["initialize"], "run": host["run"], "inputs": m["inputs"], "outputs": m["outputs"]}
+        for k, v in same.items():
+            if p[k] != v:
+                self._fail(f"host program: {k} differs from the manifest's")
+        phases = host["run"]["phases"]
+        for k in ("steps", "paired"):
+            if len(p[k]) != phases:
+                self._fail(f"host program: {len(p[k])} {k} for {phases} run phases")
+        return host
+
+    def _image(self, m: dict, digest: str, used: set | None, phases: int) -> tuple[dict, dict]:
+        """A tile image's header and arrays; ``used`` (the loaded tiles) unless it is the idle
+        image: then it must also carry a program and an exchange table for ``phases`` phases."""
+        what = f"tile image {digest[:16]}"
+        blob = self.member(self.by_digest[digest])
+        if len(blob) < 4 or 4 + struct.unpack_from("<I", blob)[0] > len(blob):
+            self._fail(f"{what} is malformed: truncated")
+        base = 4 + struct.unpack_from("<I", blob)[0]
+        arrays, pos = {}, base
+        for name, _, (length,), off, size in self._document(blob[4:base], IMAGE_ARRAYS, f"{what} array table"):
+            if (arrays and name <= next(reversed(arrays))) or length != size or base + off != pos:
+                self._fail(f"{what} is malformed: array {name} is out of order or place")
+            arrays[name], pos = blob[pos:pos + size], pos + size
+        if pos != len(blob) or "header" not in arrays:
+            self._fail(f"{what} is malformed: its arrays do not fill it or lack the header")
+        header = self._document(arrays.pop("header"), TILE_IMAGE, what)
+        self._check_segments(m, what, header["segments"], arrays)
+        if used is not None:
+            kinds = [s[0] for s in header["segments"]]
+            if kinds.count("program") != 1 or kinds.count("exchange") != 1:
+                self._fail(f"{what} is loaded on a tile but lacks its program or exchange table")
+            kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
+            self._check_program(what, arrays["program"], kernels, phases)
+            self._check_exchange(m, what, arrays["exchange"], used, phases)
+        return header, arrays
+
+    def _check_segments(self, m: dict, what: str, segments: list, arrays: dict) -> None:
+        mc = m["machine"]
+        lo, hi, xend = mc["sram_base"], mc["loader_limit"], mc["executable_end"]
+        kinds, blobs = set(), set()
+        prev_end, prev = 0, None
+        for kind, name, addr, size, sd in sorted(segments, key=lambda s: (s[2], s[3])):
+            if addr < lo or addr + size > hi:
+                self._fail(f"segment {name} of {what} at {addr} (+{size}) is outside tile memory [{lo}, {hi})")
+            if kind != "data" and addr + size > xend:
+                self._fail(f"code segment {name} at {addr} is outside the executable region")
+            if addr < prev_end:
+                self._fail(f"segments {prev} and {name} of {what} overlap")
+            prev_end, prev = addr + size, name
+            if kind == "kernel":
+                if (kind, name) in kinds:
+                    self._fail(f"{what} reserves kernel {name} twice")
+                if m["kernels"].get(name) != sd:
+                    self._fail(f"{what} uses kernel {name} not in the package")
+                kinds.add((kind, name))
+                continue
+            key = kind if kind != "data" else f"data@{addr}"
+            if key in blobs:
+                self._fail(f"{what} has two {kind} segments at {addr}" if kind == "data"
+                           else f"{what} has two {kind} segments")
+            blobs.add(key)
+            if key not in arrays or canonical.digest(arrays[key]) != sd:
+                self._fail(f"bad checksum of the {kind} segment of {what}" if kind != "data"
+                           else f"bad checksum of data segment {name} of {what}")
+            if len(arrays[key]) != size:
+                self._fail(f"{kind} segment {name} of {what} holds {len(arrays[key])} bytes, not {size}")
+        if set(arrays) != blobs:
+            self._fail(f"{what} has arrays no segment places: {', '.join(sorted(set(arrays) - blobs))}")
+
+    def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> None:
+        try:
+            names, steps = codegen.decode_program(raw)
+            exact = codegen.encode_program(names, steps) == raw
+        except (ValueError, struct.error):
+            exact = False
+        if not exact:
+            self._fail(f"the program of {what} does not decode")
+        for name in names:
+            if name not in kernels:
+                self._fail(f"the program of {what} calls kernel {_show(name)} the image does not hold")
+        prev = -1
+        for step, verts in steps:
+            if not prev < step < phases:
+                self._fail(f"the program of {what} has step {step} out of order or past {phases} run phases")
+            prev = step
+            if any(k >= len(names) for k, _ in verts):
+                self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
+
+    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int) -> None:
+        try:
+            table = codegen.decode_exchange(raw)
+            exact = codegen.encode_exchange(table) == raw
+        except (ValueError, struct.error):
+            exact = False
+        if not exact:
+            self._fail(f"the exchange table of {what} does not decode")
+        mc = m["machine"]
+        lo, hi = mc["sram_base"], mc["loader_limit"]
+        for i, e in enumerate(table):   # [step, src tile, addr, stride, dst tile, addr, stride, rows,
+            rows, rb = e[7], e[8]       #  row bytes, (dst tile, addr, stride) of each further receiver]
+            ends = [(e[1], e[2], e[3]), (e[4], e[5], e[6])] + [tuple(e[j:j + 3]) for j in range(9, len(e), 3)]
+            if e[0] >= phases or any(t not in used or a < lo or a + max(rows - 1, 0) * st + rb > hi
+                                     for t, a, st in ends):
+                self._fail(f"entry {i} {e[:9]} of the exchange table of {what} is past the run phases, a "
+                           "loaded tile or tile memory")
+
+    def _check_bindings(self, m: dict, side: str, used: set) -> None:
+        mc = m["machine"]
+        lo, hi = mc["sram_base"], mc["loader_limit"]
+        names = set()
+        for b in m[side]:
+            name = b["name"]
+            if name in names:
+                self._fail(f"{side}: {name} is bound twice")
+            names.add(name)
+            nbytes = math.prod(b["shape"]) * DTYPES[b["dtype"]]
+            if nbytes > m["tiles"] * mc["sram_end"]:
+                self._fail(f"{side}: {name} of shape {b['shape']} is larger than the device's memory")
+            for off, size, tile, addr in b["ranges"]:
+                if tile >= m["tiles"] or addr < lo or addr + size > hi:
+                    self._fail(f"binding of {name} to tile {tile} address {addr} is out of range")
+                if tile not in used:
+                    self._fail(f"binding of {name} to tile {tile}: that tile runs the idle image")
+                if off + size > nbytes:
+                    self._fail(f"binding of {name}: bytes [{off}, {off + size}) are past its {nbytes} bytes")
+
+    def member(self, name: str) -> bytes:
+        off, size, digest = self.by_name[name]
+        return self.data[off:off + size]
+
+    def tile_image(self, tile: int) -> tuple[dict, dict]:
+        return self.images[self.manifest["tile_images"][tile]]
+
+    def kernel_object(self, name: str) -> bytes:
+        return self.member(self.by_digest[self.manifest["kernels"][name]])
+
+    def extract(self, dest) -> list[Path]:
+        """Write every member under ``dest``; refuses any path that would land outside it."""
+        dest = Path(dest).resolve()
+        written = []
+        for name in sorted(self.by_name):
+            target = (dest / name).resolve()
+            if dest not in target.parents:
+                self._fail(f"member path {name!r} escapes the extraction folder")
+            write_atomic(target, self.member(name))
+            written.append(target)
+        return written
+
+
+def read_package(path) -> Package:
+    """Read and validate a package file; every problem is a one-line PackageError."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise PackageError(str(path), f"cannot read: {exc.strerror}") from None
+    return Package(data, str(path))
+
+
+def summarize(pkg: Package) -> list[str]:
+    """Lines for ``doit inspect:<target>``."""
+    m = pkg.manifest
+    tiles = m["tiles"]
+    idle = m["idle_image"]
+    used = [t for t, d in enumerate(m["tile_images"]) if d != idle]
+    regions = {"code": [], "data": [], "exchange": []}
+    for t in used:
+        header, _ = pkg.tile_image(t)
+        sizes = {"code": 0, "data": 0, "exchange": 0}
+        for kind, name, addr, size, _d in header["segments"]:
+            sizes["data" if kind == "data" else "exchange" if kind == "exchange" else "code"] += size
+        for k, v in sizes.items():
+            regions[k].append(v)
+    lines = [f"package {pkg.where}: format {FORMAT_VERSION}, compiler {pkg.compiler}, "
+             f"{len(pkg.data)} bytes, target {m['target']}",
+             f"tiles={tiles} tiles_used={len(used)} distinct_images={len(set(m['tile_images']))}"]
+    for k, v in regions.items():
+        if v:
+            lines.append(f"{k}_bytes_per_tile max={max(v)} mean={sum(v) // len(v)} total={sum(v)}")
+    lines.append(f"kernels={len(m['kernels'])} " + " ".join(sorted(m["kernels"])))
+    host = m["host"]
+    lines.append(f"host calls: initialize phases={host['initialize']['phases']}, run phases={host['run']['phases']}")
+    for b in m["inputs"]:
+        lines.append(f"input {b['name']} {b['dtype']}{b['shape']} ranges={len(b['ranges'])}")
+    for b in m["outputs"]:
+        lines.append(f"output {b['name']} {b['dtype']}{b['shape']} ranges={len(b['ranges'])}")
+    return lines
+
+
+# the phase that writes it -----------------------------------------------------------------------
+from ..engine.engine import phase  # noqa: E402
+
+
+@phase("write_package", inputs=("images", "objects", "host_program", "machine"),
+       outputs=("package",), config=("name", "target.tile_count"))
+def write_package_phase(ctx):
+    from ..graph.artifacts import machine_of
+    from ..engine.log import log
+    m = machine_of(ctx)
+    used = ctx.config["target"]["tile_count"]
+    images = ctx.family("images")
+    idle = images.pop("idle")
+    tile_images = [images.get(str(t), idle) if t < used else idle for t in range(m["tiles"])]
+    members = {f"images/{d}.img": ctx.engine.fetch(d) for d in sorted(set(tile_images))}
+    objects = ctx.family("objects")
+    kernels = {}
+    for digest in sorted(set(tile_images)):
+        header, _ = read_image(members[f"images/{digest}.img"])
+        kernels.update({s[1]: s[4] for s in header["segments"] if s[0] == "kernel"})
+    for name, d in sorted(kernels.items()):
+        if objects.get(name) != d:
+            raise ValueError(f"image refers to kernel {name} object {d[:16]} that is not an input")
+        members[f"kernels/{name}.so"] = ctx.engine.fetch(d)
+    host = ctx.json("host_program")
+    members["host/program.json"] = ctx.bytes("host_program")
+    mem = m["memory"]
+    manifest = {
+        "format": FORMAT_VERSION, "compiler": __version__, "target": ctx.config["name"],
+        "tiles": m["tiles"], "used_tiles": used, "idle_image": idle, "tile_images": tile_images,
+        "machine": {**m, "sram_base": mem["sram_base"], "sram_end": mem["sram_end"],
+                    "executable_end": mem["executable_end"], "loader_limit": mem["loader_limit"]},
+        "kernels": kernels,
+        "host": {"initialize": host["initialize"], "run": host["run"],
+                 "program": canonical.digest(members["host/program.json"])},
+        "inputs": host["inputs"], "outputs": host["outputs"]}
+    log.info("writing application package", tiles=m["tiles"])
+    data = write_package(manifest, members)
+    log.info("application package written", bytes=len(data))
+    return {"package": data}
