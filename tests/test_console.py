@@ -229,7 +229,7 @@ def test_explain_names_a_configuration_key_and_a_code_change(tmp_path, cache):
     out = doit(tree, "explain:small", environ=quiet(tree, cache)).stdout
     assert re.search(r"^check_numerics:small ran", out, re.M), out
     assert "because configuration numerics.min_cosine changed: 0.99 → 0.98" in out, out
-    assert re.search(r"^report_profile:small ran.*\n    because code changed: ipubuild/report\.py", out, re.M), out
+    assert re.search(r"^report_profile:small ran.*\n    because code changed: ipubuild/ui/report\.py", out, re.M), out
     assert not re.search(r"^plan_package:small ran", out, re.M), out
 
 

@@ -25,6 +25,10 @@ digests and the provenance of each. One GET per action hit, one PUT per action r
 
 Counters (``stats``) are per process. A forked search worker hands its counters, and any warning
 it would print, to the parent with each evaluation (``take`` / ``merge``).
+
+The folder ``ipubuild/remote/`` is "elsewhere": this tier and the Dask cluster (``cluster``) that
+``ipubuild.engine.executors`` sends work to. It may import the engine, plugins, the graph and the
+compiler; the engine reaches it only by name (``ipubuild.engine.registry``).
 """
 from __future__ import annotations
 
