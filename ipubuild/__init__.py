@@ -45,6 +45,8 @@ PUBLIC = {"ipubuild.operators", "ipubuild.ir", "ipubuild.frontend", "ipubuild.pa
           "ipubuild.device", "ipubuild.package", "ipubuild.targets", "ipubuild.errors", "ipubuild.log",
           "ipubuild.fp8", "ipubuild.estimator", "ipubuild.tasks"}
 # folders that took the name of a module they replaced: their attributes come from that module
+# (ipubuild/kernels/ has no __init__.py, so that git sees the kernel compiles move to
+# compiler/kernels.py; the finder below makes it a package whose names are that module's)
 FOLDER_OF_MODULE = ("ipubuild.engine", "ipubuild.device", "ipubuild.build", "ipubuild.kernels")
 
 
@@ -72,6 +74,12 @@ class _Aliases:
 
     @classmethod
     def find_spec(cls, name, path=None, target=None):
+        if name == "ipubuild.kernels":   # the C kernels' folder: a package with no __init__.py
+            import importlib.machinery
+            import os
+            spec = importlib.machinery.ModuleSpec(name, cls, is_package=True)
+            spec.submodule_search_locations = [os.path.join(os.path.dirname(__file__), "kernels")]
+            return spec
         if not name.startswith("ipubuild.") or any(name == f or name.startswith(f + ".") for f in FOLDER_OF_MODULE):
             return None     # a folder's own modules are where they are
         new = _target(name)
@@ -95,6 +103,10 @@ class _Aliases:
     def exec_module(module):
         import importlib
         spec = module.__spec__
+        if spec.loader_state is None:    # ipubuild.kernels
+            module.__doc__ = "The C kernels and their cycle estimators (ipubuild/kernels/README.md)."
+            module.__getattr__ = lambda name: moved_attribute(spec.name, name)
+            return
         _warn(spec.name, spec.loader_state)
         sys.modules[spec.name] = importlib.import_module(spec.loader_state)   # the import returns this one
 
@@ -107,7 +119,7 @@ def moved_attribute(folder: str, name: str):
     module's (``ipubuild.engine.engine.Engine``), with the warning its path carries."""
     import importlib
     import os
-    here = os.path.dirname(sys.modules[folder].__file__)
+    here = list(sys.modules[folder].__path__)[0]
     if name.startswith("__") or os.path.exists(os.path.join(here, name + ".py")) \
             or os.path.isdir(os.path.join(here, name)):
         raise AttributeError(f"module {folder!r} has no attribute {name!r}")   # a submodule: import it
