@@ -304,7 +304,6 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
     path = state_path(ctx)
     policy = str(graph.cast_storage)
     found = heuristics()
-    t_start = time.perf_counter()
     pool = Pool(cfg["workers"], ctx.engine, base, ctx.config)
     try:
         state = _load(path, key)
@@ -340,7 +339,8 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             state["visited"] = sorted(set(state["visited"]) | {canonical.digest_of(incumbent)})
             _save(path, state)
         visited = set(state["visited"])
-        while state["round"] < cfg["rounds"] and time.perf_counter() - t_start < cfg["seconds"]:
+        # the budget is counted (rounds, evaluations), never timed: the same layout at any load
+        while state["round"] < cfg["rounds"] and state["attempts"] < cfg["evaluations"]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()
             proposals = [(h.name, ch) for h in found for ch in _proposals(h, incumbent, sc)]
@@ -349,7 +349,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
                      **screened.invalid, **_by_heuristic(per, ("proposed", "fit", "cheaper", "shortlisted")))
             screen_s = time.perf_counter() - t0
-            shortlist = screened.shortlist
+            shortlist = screened.shortlist[:cfg["evaluations"] - state["attempts"]]
             if not shortlist:
                 _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]
