@@ -89,9 +89,16 @@ def heal_doit_db(path: Path) -> None:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             ok = con.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+            if ok:   # and every row reads as doit reads it (a row quick_check passes can still fail)
+                tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
+                if "doit" in tables:
+                    for task_id, data in con.execute("select task_id, task_data from doit"):
+                        if not isinstance(task_id, str) or not isinstance(json.loads(data), dict):
+                            ok = False
+                            break
         finally:
             con.close()
-    except sqlite3.DatabaseError:
+    except Exception:  # noqa: BLE001 - whatever fails to read (a bad byte, bad JSON) is damage
         ok = False
     if not ok:
         aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")

@@ -349,3 +349,26 @@ def test_build_lock_other_tree_does_not_wait(tmp_path):
     finally:
         (marks / "release").write_text("1")
         p1.wait(20)
+
+
+def test_a_doit_database_row_that_is_not_json_is_damage(tmp_path):
+    """heal_doit_db reads every row as doit does: truncated JSON moves the database aside."""
+    import sqlite3
+    from ipubuild.tasks import heal_doit_db
+    db = tmp_path / ".doit.db"
+    con = sqlite3.connect(db)
+    con.execute("create table doit (task_id text not null primary key, task_data json)")
+    con.execute("insert into doit values ('a:b', '{\"dep\": ')")
+    con.commit()
+    con.close()
+    heal_doit_db(db)
+    assert not db.exists() and list(tmp_path.glob(".doit.db.corrupt-*"))
+    db2 = tmp_path / "ok" / ".doit.db"
+    db2.parent.mkdir()
+    con = sqlite3.connect(db2)
+    con.execute("create table doit (task_id text not null primary key, task_data json)")
+    con.execute("insert into doit values ('a:b', '{\"dep\": 1}')")
+    con.commit()
+    con.close()
+    heal_doit_db(db2)
+    assert db2.exists()
