@@ -21,7 +21,7 @@ from pathlib import Path
 from . import fingerprint
 from .engine import Engine, MissingBlob, Result
 from .errors import UserError
-from .files import tree_memo, write_if_changed
+from .files import read_recorded, tree_memo, write_if_changed
 from .log import log, phase_finished, span
 from .store import Store, cache_dir, size_limit
 
@@ -153,7 +153,7 @@ class Workspace:
     # running ------------------------------------------------------------------------------
     def read_source(self, path: Path) -> bytes:
         try:
-            return (self.root / path).read_bytes()
+            return read_recorded(self.root / path)   # doit's record of it: these bytes (tasks.py)
         except OSError as exc:
             raise UserError(str(path), f"cannot read: {exc.strerror}") from None
 

@@ -372,3 +372,34 @@ def test_a_doit_database_row_that_is_not_json_is_damage(tmp_path):
     con.close()
     heal_doit_db(db2)
     assert db2.exists()
+
+
+def test_a_source_edited_while_its_task_ran_is_recorded_as_read_and_rebuilt(tmp_path, monkeypatch):
+    """doit's record of a dependency a step read is the bytes it read, not the file when the task
+    ends: an edit made meanwhile is reported once, and the next check finds the task changed."""
+    import os
+    from ipubuild import files, tasks
+    from ipubuild.log import log
+    warned = []
+    monkeypatch.setattr(log, "warning", lambda message, **kv: warned.append(message))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tasks, "_changed", set())
+    src = tmp_path / "add.c"
+    src.write_text("int add(int a, int b) { return a + b; }\n")
+    os.utime(src, ns=(1, 1))                   # an old file: its stat key is trusted
+    checker = tasks.ContentChecker()
+    files.read_recorded(src)                   # the phase reads it …
+    src.write_text("int add(int a, int b) { return a + b + 1; }\n")    # … and it is edited
+    state = checker.get_state("add.c", None)
+    assert state == [None] * 4 + [files.hashlib.sha256(b"int add(int a, int b) { return a + b; }\n").hexdigest()]
+    assert checker.check_modified("add.c", os.stat(src), state)      # the next build rebuilds it
+    assert checker.get_state("add.c", None) == state
+    assert warned == ["add.c changed during the build; the next build rebuilds it"]
+    # a source read and left alone is recorded as usual (its stat key and digest)
+    other = tmp_path / "gelu.c"
+    other.write_text("int gelu;\n")
+    os.utime(other, ns=(1, 1))
+    files.read_recorded(other)
+    st = checker.get_state("gelu.c", None)
+    assert st[4] == files.file_digest(other) and not checker.check_modified("gelu.c", os.stat(other), st)
+    assert len(warned) == 1
