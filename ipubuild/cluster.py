@@ -231,7 +231,8 @@ class Cluster:
         from .search import EVALUATION
         return {"config": config, "base": {slot: [d, engine.fetch(d)] for slot, d in sorted(base.items())},
                 "signatures": {n: engine.signature(PHASES[n], config)
-                               for n in (*EVALUATION, "schedule_exchange_phase")}}
+                               # plan_package's too: its code is search.py, which evaluates a candidate
+                               for n in (*EVALUATION, "schedule_exchange_phase", "plan_package")}}
 
     def evaluate_candidates(self, engine, base: dict, config: dict, jobs: list[tuple], here) -> list[dict]:
         """``executors.evaluate_candidates`` on the cluster: one task per candidate."""
@@ -278,8 +279,11 @@ class Cluster:
         try:
             while head < len(payloads):
                 while sent < len(payloads) and len(running) < 2 * max(2, sum(self._threads.values())):
-                    f = self.client.submit(fn, payloads[sent], key=f"ipubuild-{what}-{batch}-{sent}", pure=False)
-                    f.add_done_callback(lambda _: woken.set())
+                    try:
+                        f = self.client.submit(fn, payloads[sent], key=f"ipubuild-{what}-{batch}-{sent}", pure=False)
+                        f.add_done_callback(lambda _: woken.set())
+                    except Exception as exc:  # noqa: BLE001 - ClosedClientError, CommClosedError, …
+                        raise Lost(f"a task could not be sent ({type(exc).__name__}: {exc})") from None
                     futures[sent] = f
                     running.add(f)
                     sent += 1
@@ -313,6 +317,8 @@ class Cluster:
         except (self.distributed.client.FutureCancelledError, TimeoutError, OSError) as exc:
             raise Lost(f"a task's result could not be fetched ({type(exc).__name__}: {exc})") from None
         except Exception as exc:  # noqa: BLE001 - the task's own failure, or a worker it killed
+            if self.client is None or self.client.status not in ("running", "connecting"):
+                raise Lost(f"the connection to the scheduler was closed ({type(exc).__name__})") from None
             return False, exc
 
     def _check(self, progress: float) -> None:

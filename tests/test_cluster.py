@@ -407,3 +407,19 @@ def test_the_benchmark_reads_the_share_and_the_prediction_from_a_trace():
     assert f["by_kind"]["candidate"]["tasks"] == 3 and f["by_kind"]["candidate"]["dispatch_wall_s"] == 6
     assert f["by_kind"]["build_tile_image"]["bytes_returned"] == 40
     assert dict(f["serial_phases"]) == {"plan_package": 3.0, "build_tile_images": 2.0, "place_storage": 0.5}
+
+
+def test_a_plain_tcp_scheduler_off_this_machine_is_warned_once(monkeypatch):
+    from ipubuild import executors
+    from ipubuild.log import log
+    warned = []
+    monkeypatch.setattr(log, "warning", lambda message, **kv: warned.append(message))
+    monkeypatch.setattr(executors, "_warned", set())
+    for address in ("tcp://127.0.0.1:8786", "localhost:8786", "tls://10.0.0.7:8786", "tcp://[::1]:8786"):
+        monkeypatch.setenv("IPUBUILD_SCHEDULER", address)
+        executors.scheduler()
+    assert warned == []
+    monkeypatch.setenv("IPUBUILD_SCHEDULER", "tcp://10.0.0.7:8786")
+    executors.scheduler()
+    executors.scheduler()
+    assert len(warned) == 1 and "tcp://10.0.0.7:8786" in warned[0] and "tls://" in warned[0]
