@@ -354,6 +354,26 @@ def test_results_that_do_not_verify_never_enter_the_store(code, reference, tmp_p
     refused = [w for w in warnings(run.stderr) if "do not verify" in w]
     assert refused and all("running the call here" in w for w in refused)
     assert re.search(r"ran on the cluster work=build_tile_image calls=(\d+) here=\1 ", run.stderr), run.tail()
+    # and the store: every blob verifies and every action record names blobs it holds
+    from test_reliability import store_problems
+    assert store_problems(tree) == []
+
+
+@needs_dask
+def test_candidates_a_worker_lies_about_are_evaluated_here(code, reference, tmp_path):
+    """A worker claiming every candidate 1000 cycles cheaper than it is: its claims do not match
+    the cost its own artifacts give, so each is evaluated here, and the search is a local one's."""
+    want, layouts = reference
+    c = DaskCluster(tmp_path / "cluster", code, 1, shims={0: "lie-candidates"})
+    try:
+        tree = make_tree(tmp_path / "tree")
+        run = build_on(c, tree)
+    finally:
+        c.stop()
+    assert_passed(run, NAME)
+    assert package(tree, NAME) == want and accepted(run) == layouts
+    refused = [w for w in warnings(run.stderr) if "candidate that does not verify" in w]
+    assert refused and all("evaluating it here" in w for w in refused), run.tail()
 
 
 @needs_dask
