@@ -377,10 +377,11 @@ def test_candidates_a_worker_lies_about_are_evaluated_here(code, reference, tmp_
 
 
 @needs_dask
-def test_a_worker_running_other_code_is_refused_in_one_line(code, reference, tmp_path):
+@pytest.mark.parametrize("module", ["planning/phases.py", "search.py"])   # search.py: candidates' code
+def test_a_worker_running_other_code_is_refused_in_one_line(code, reference, tmp_path, module):
     other = tmp_path / "other"
     copy_ipubuild(other, code)
-    phases = other / "ipubuild" / "planning" / "phases.py"
+    phases = other / "ipubuild" / module
     phases.write_text(phases.read_text() + "\n\nOTHER = 1\n")     # a code change: other action keys
     c = DaskCluster(tmp_path / "cluster", other, 1)
     try:
