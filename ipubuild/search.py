@@ -298,6 +298,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
     cfg = ctx.config["search"]
     tiles = ctx.config["target"]["tile_count"]
     machine = machine_of(ctx)
+    _check_fits(graph, tiles, machine, ctx.config["path"])
     sc = SearchContext(graph, tiles, machine)
     base = {k: ctx.digest(k) for k in ("graph", "machine", "runtime", "reservations")}
     key = ctx.engine.action_key(ctx.phase, ctx.input_digests, ctx.config)
@@ -399,6 +400,19 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                            "heuristics": state.get("heuristics", {})}
     finally:
         pool.close()
+
+
+def _check_fits(graph, tiles: int, machine: dict, where: str) -> None:
+    """Stop at once, in one line, when the model's constants alone exceed the tiles' memory
+    (before any layout is planned: on a large model that takes minutes)."""
+    mem = machine["memory"]
+    per_tile = mem["loader_limit"] - mem["sram_base"]
+    need = sum(graph.values[v].nbytes for v in graph.constants)
+    if need > tiles * per_tile:
+        mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+        raise UserError(f"{where}: target.tile_count", f"the model's constants need {mib(need)}, more than "
+                        f"{tiles} tile{'s' if tiles != 1 else ''} hold{'s' if tiles == 1 else ''} ({mib(tiles * per_tile)}: {per_tile:,} bytes a tile); it needs at "
+                        f"least {-(-need // per_tile):,} tiles, or a smaller model")
 
 
 def _weight(ch: Changes, baseline: Baseline) -> int:

@@ -351,3 +351,16 @@ def test_a_malformed_proposal_is_one_line_naming_the_heuristic(changes):
         _proposals(Heuristic("broken", lambda layout, sc: [Changes(plans=((0, 1),)), changes]), {"ops": {}}, None)
     assert str(e.value).startswith("search heuristic broken: proposal 1: Changes.")
     assert "\n" not in str(e.value)
+
+
+def test_a_model_whose_constants_cannot_fit_its_tiles_stops_in_one_line(tmp_path):
+    """Before any layout is planned: how much it needs, and how many tiles would hold it."""
+    big = SMALL.replace("tile_count = 16", "tile_count = 1").replace("width = 64", "width = 512") \
+        .replace("mlp = 128", "mlp = 2048")
+    root = make_tree(tmp_path, {"big": big})
+    run = subprocess.run([sys.executable, "-m", "doit", "build:big"], cwd=root, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, IPUBUILD_CONSOLE="tasks"))
+    assert run.returncode != 0 and "Traceback" not in run.stdout + run.stderr
+    errors = [ln for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "targets/big.toml: target.tile_count: the model's constants need" in errors[0], errors
+    assert "it needs at least" in errors[0] and "place_provisional_storage" not in run.stdout
