@@ -5,6 +5,8 @@ one worker misbehave in a way the tests choose with ``$IPUBUILD_TEST_SHIM``.
   ``<folder>/running-<pid>`` and waits 3 s: a test then knows a task is in flight on it (to kill
   the worker, or the scheduler, at that moment).
 * ``lie`` — every blob the worker returns has one byte flipped (the client must refuse them).
+* ``lie-candidates`` — every search candidate the worker evaluates is claimed 1000 cycles cheaper
+  than it is (the client must evaluate them itself).
 
 Nothing in ipubuild knows about this file; it wraps ipubuild.cluster's task functions in the
 worker process only. (Dask may run a preload twice in one process: the originals are kept on the
@@ -41,3 +43,14 @@ if _mode.startswith("slow:"):
     cluster._evaluate = _slow_evaluate
 elif _mode == "lie":
     cluster._run_calls = _lying_run_calls
+
+
+def _lying_evaluate(payload, _evaluate=_originals["evaluate"]):
+    out = _evaluate(payload)
+    if "cycles" in out.get("result", {}):
+        out["result"] = dict(out["result"], cycles=out["result"]["cycles"] - 1000)
+    return out
+
+
+if _mode == "lie-candidates":
+    cluster._evaluate = _lying_evaluate

@@ -354,13 +354,34 @@ def test_results_that_do_not_verify_never_enter_the_store(code, reference, tmp_p
     refused = [w for w in warnings(run.stderr) if "do not verify" in w]
     assert refused and all("running the call here" in w for w in refused)
     assert re.search(r"ran on the cluster work=build_tile_image calls=(\d+) here=\1 ", run.stderr), run.tail()
+    # and the store: every blob verifies and every action record names blobs it holds
+    from test_reliability import store_problems
+    assert store_problems(tree) == []
 
 
 @needs_dask
-def test_a_worker_running_other_code_is_refused_in_one_line(code, reference, tmp_path):
+def test_candidates_a_worker_lies_about_are_evaluated_here(code, reference, tmp_path):
+    """A worker claiming every candidate 1000 cycles cheaper than it is: its claims do not match
+    the cost its own artifacts give, so each is evaluated here, and the search is a local one's."""
+    want, layouts = reference
+    c = DaskCluster(tmp_path / "cluster", code, 1, shims={0: "lie-candidates"})
+    try:
+        tree = make_tree(tmp_path / "tree")
+        run = build_on(c, tree)
+    finally:
+        c.stop()
+    assert_passed(run, NAME)
+    assert package(tree, NAME) == want and accepted(run) == layouts
+    refused = [w for w in warnings(run.stderr) if "candidate that does not verify" in w]
+    assert refused and all("evaluating it here" in w for w in refused), run.tail()
+
+
+@needs_dask
+@pytest.mark.parametrize("module", ["compiler/planning/phases.py", "compiler/search.py"])   # search.py: candidates' code
+def test_a_worker_running_other_code_is_refused_in_one_line(code, reference, tmp_path, module):
     other = tmp_path / "other"
     copy_ipubuild(other, code)
-    phases = other / "ipubuild" / "compiler" / "planning" / "phases.py"
+    phases = other / "ipubuild" / module
     phases.write_text(phases.read_text() + "\n\nOTHER = 1\n")     # a code change: other action keys
     c = DaskCluster(tmp_path / "cluster", other, 1)
     try:
@@ -407,3 +428,19 @@ def test_the_benchmark_reads_the_share_and_the_prediction_from_a_trace():
     assert f["by_kind"]["candidate"]["tasks"] == 3 and f["by_kind"]["candidate"]["dispatch_wall_s"] == 6
     assert f["by_kind"]["build_tile_image"]["bytes_returned"] == 40
     assert dict(f["serial_phases"]) == {"plan_package": 3.0, "build_tile_images": 2.0, "place_storage": 0.5}
+
+
+def test_a_plain_tcp_scheduler_off_this_machine_is_warned_once(monkeypatch):
+    from ipubuild import executors
+    from ipubuild.log import log
+    warned = []
+    monkeypatch.setattr(log, "warning", lambda message, **kv: warned.append(message))
+    monkeypatch.setattr(executors, "_warned", set())
+    for address in ("tcp://127.0.0.1:8786", "localhost:8786", "tls://10.0.0.7:8786", "tcp://[::1]:8786"):
+        monkeypatch.setenv("IPUBUILD_SCHEDULER", address)
+        executors.scheduler()
+    assert warned == []
+    monkeypatch.setenv("IPUBUILD_SCHEDULER", "tcp://10.0.0.7:8786")
+    executors.scheduler()
+    executors.scheduler()
+    assert len(warned) == 1 and "tcp://10.0.0.7:8786" in warned[0] and "tls://" in warned[0]

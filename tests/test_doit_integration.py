@@ -349,3 +349,57 @@ def test_build_lock_other_tree_does_not_wait(tmp_path):
     finally:
         (marks / "release").write_text("1")
         p1.wait(20)
+
+
+def test_a_doit_database_row_that_is_not_json_is_damage(tmp_path):
+    """heal_doit_db reads every row as doit does: truncated JSON moves the database aside."""
+    import sqlite3
+    from ipubuild.tasks import heal_doit_db
+    db = tmp_path / ".doit.db"
+    con = sqlite3.connect(db)
+    con.execute("create table doit (task_id text not null primary key, task_data json)")
+    con.execute("insert into doit values ('a:b', '{\"dep\": ')")
+    con.commit()
+    con.close()
+    heal_doit_db(db)
+    assert not db.exists() and list(tmp_path.glob(".doit.db.corrupt-*"))
+    db2 = tmp_path / "ok" / ".doit.db"
+    db2.parent.mkdir()
+    con = sqlite3.connect(db2)
+    con.execute("create table doit (task_id text not null primary key, task_data json)")
+    con.execute("insert into doit values ('a:b', '{\"dep\": 1}')")
+    con.commit()
+    con.close()
+    heal_doit_db(db2)
+    assert db2.exists()
+
+
+def test_a_source_edited_while_its_task_ran_is_recorded_as_read_and_rebuilt(tmp_path, monkeypatch):
+    """doit's record of a dependency a step read is the bytes it read, not the file when the task
+    ends: an edit made meanwhile is reported once, and the next check finds the task changed."""
+    import os
+    from ipubuild import files, tasks
+    from ipubuild.log import log
+    warned = []
+    monkeypatch.setattr(log, "warning", lambda message, **kv: warned.append(message))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tasks, "_changed", set())
+    src = tmp_path / "add.c"
+    src.write_text("int add(int a, int b) { return a + b; }\n")
+    os.utime(src, ns=(1, 1))                   # an old file: its stat key is trusted
+    checker = tasks.ContentChecker()
+    files.read_recorded(src)                   # the phase reads it …
+    src.write_text("int add(int a, int b) { return a + b + 1; }\n")    # … and it is edited
+    state = checker.get_state("add.c", None)
+    assert state == [None] * 4 + [files.hashlib.sha256(b"int add(int a, int b) { return a + b; }\n").hexdigest()]
+    assert checker.check_modified("add.c", os.stat(src), state)      # the next build rebuilds it
+    assert checker.get_state("add.c", None) == state
+    assert warned == ["add.c changed during the build; the next build rebuilds it"]
+    # a source read and left alone is recorded as usual (its stat key and digest)
+    other = tmp_path / "gelu.c"
+    other.write_text("int gelu;\n")
+    os.utime(other, ns=(1, 1))
+    files.read_recorded(other)
+    st = checker.get_state("gelu.c", None)
+    assert st[4] == files.file_digest(other) and not checker.check_modified("gelu.c", os.stat(other), st)
+    assert len(warned) == 1

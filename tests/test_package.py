@@ -29,9 +29,9 @@ KERNEL = b"\x7fELF-fake-kernel-object" * 5
 
 
 def _image(kernel_addr=CODE, kernel_size=4096, program_addr=None, exchange_addr=None, data=None,
-           kernel_digest=None):
+           kernel_digest=None, exchange=None):
     prog = codegen.encode_program(["x"], [[0, [[0, [DATA, 3, 7]]]]])
-    xch = codegen.encode_exchange([[0, 0, DATA, 16, 0, DATA + 4096, 16, 1, 16]])
+    xch = codegen.encode_exchange(exchange or [[0, 0, DATA, 16, 0, DATA + 4096, 16, 1, 16]])
     program_addr = kernel_addr + kernel_size if program_addr is None else program_addr
     exchange_addr = program_addr + len(prog) if exchange_addr is None else exchange_addr
     code = {"program": prog, "exchange": xch,
@@ -517,3 +517,18 @@ def test_the_reader_refuses_a_package_whose_exchange_table_is_malformed():
     manifest, members = make(image)
     with pytest.raises(PackageError, match="the exchange table of .* does not decode"):
         Package(write_package(manifest, members))
+
+
+def test_tile_images_swapped_between_slots_are_refused():
+    """Each tile's image sends from that tile: two images swapped in the tile table (every
+    checksum recomputed) are refused, naming the slot."""
+    a = _image(exchange=[[0, 0, DATA, 16, 1, DATA + 4096, 16, 1, 16]])
+    b = _image(exchange=[[0, 1, DATA, 16, 0, DATA + 4096, 16, 1, 16]])
+    da, db = canonical.digest(a), canonical.digest(b)
+    m, mem = make(a, tiles=3, used_tiles=2)
+    idle = m["idle_image"]
+    mem[f"images/{db}.img"] = b
+    Package(write_package(dict(m, tile_images=[da, db, idle]), mem))
+    reject(write_package(dict(m, tile_images=[db, da, idle]), mem),
+           rf"^tile 0 holds tile image {db[:16]}, whose exchange table sends from tile 1: the tile table "
+           "does not put each image in its tile's slot$")

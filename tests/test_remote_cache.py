@@ -733,3 +733,31 @@ def test_a_protected_remote_with_and_without_credentials(server, filled, code, t
     lines = remote_warnings(run)
     assert len(lines) == 1 and "HTTP 401" in lines[0] and "check the credentials" in lines[0], run.tail()
     assert summary(run)["remote_hits"] == 0 and summary(run)["up"] == 0
+
+
+def test_a_remote_that_fails_in_several_ways_costs_one_warning_line(logged):
+    """A transport error, then a blob that does not verify (after which reads are off): one
+    warning line for this remote in this build, the rest in the log."""
+    class Flaky:
+        calls = 0
+
+        def __init__(self, url):
+            pass
+
+        def get(self, kind, key):
+            Flaky.calls += 1
+            if Flaky.calls == 1:
+                raise remote.RemoteError("connection reset")
+            return b"not the bytes" if Flaky.calls == 2 else 12
+
+        def put(self, kind, key, data):
+            raise remote.RemoteError("HTTP 500")
+
+        def close(self):
+            pass
+    t = remote.RemoteCache("flaky://cache", Flaky, upload=False)
+    for d in ("1" * 64, "2" * 64, "3" * 64):
+        assert t.get_blob(d) is None
+    text = logged.getvalue()
+    assert len(warnings(text)) == 1 and "connection reset" in warnings(text)[0], text
+    assert "failed verification" in text      # in the log, not as a second warning line

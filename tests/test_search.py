@@ -52,6 +52,37 @@ def test_search_never_accepts_worse_and_is_deterministic_across_workers(tmp_path
     assert state1["cycles"] == state1["history"][-1]["after"]
 
 
+def test_a_fast_clock_or_a_loaded_machine_finds_the_same_layout(tmp_path, monkeypatch):
+    """The search's budget is counted, never timed: with a clock running 1000 s a call (as a
+    budget in seconds sees a loaded machine) it runs every round and finds the quiet layout."""
+    quiet, quiet_state, _ = search_result(tmp_path / "quiet", workers=1)
+    Workspace.close_all()
+    clock = [time.perf_counter()]
+
+    def fast():
+        clock[0] += 1000.0
+        return clock[0]
+    monkeypatch.setattr(time, "perf_counter", fast)
+    monkeypatch.setattr(time, "monotonic", fast)
+    loaded, loaded_state, _ = search_result(tmp_path / "loaded", workers=1)
+    assert loaded == quiet
+    assert loaded_state["history"] == quiet_state["history"]
+    assert loaded_state["attempts"] == quiet_state["attempts"]
+    assert any(h["round"] >= 1 for h in quiet_state["history"]), "no round accepted: nothing to compare"
+
+
+def test_the_search_stops_at_its_budget_of_evaluations(tmp_path):
+    root = make_tree(tmp_path, {"small": SMALL + "evaluations = 2\n"})
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        build_in_process(root, "targets/small.toml")
+    finally:
+        os.chdir(cwd)
+    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    assert state["attempts"] == 2
+
+
 def test_screening_counts_add_up():
     target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
     model = build_model(get_plugin_manager(), target)
@@ -320,3 +351,16 @@ def test_a_malformed_proposal_is_one_line_naming_the_heuristic(changes):
         _proposals(Heuristic("broken", lambda layout, sc: [Changes(plans=((0, 1),)), changes]), {"ops": {}}, None)
     assert str(e.value).startswith("search heuristic broken: proposal 1: Changes.")
     assert "\n" not in str(e.value)
+
+
+def test_a_model_whose_constants_cannot_fit_its_tiles_stops_in_one_line(tmp_path):
+    """Before any layout is planned: how much it needs, and how many tiles would hold it."""
+    big = SMALL.replace("tile_count = 16", "tile_count = 1").replace("width = 64", "width = 512") \
+        .replace("mlp = 128", "mlp = 2048")
+    root = make_tree(tmp_path, {"big": big})
+    run = subprocess.run([sys.executable, "-m", "doit", "build:big"], cwd=root, capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, IPUBUILD_CONSOLE="tasks"))
+    assert run.returncode != 0 and "Traceback" not in run.stdout + run.stderr
+    errors = [ln for ln in (run.stdout + run.stderr).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "targets/big.toml: target.tile_count: the model's constants need" in errors[0], errors
+    assert "it needs at least" in errors[0] and "place_provisional_storage" not in run.stdout

@@ -140,6 +140,22 @@ def test_a_damaged_database_is_moved_aside(built, environ, reference, db):
         list(path.parent.parent.glob(f"{path.parent.name}.corrupt-*")), run.tail()
 
 
+def test_a_damaged_row_of_the_doit_database_is_moved_aside(built, environ, reference):
+    """A row PRAGMA quick_check passes but doit cannot read (a 0xff byte: UnicodeDecodeError;
+    bad JSON): the database is moved aside with one warning, the tasks come from the cache."""
+    import sqlite3
+    path = built / ".doit.db"
+    con = sqlite3.connect(path)
+    task = con.execute("select task_id from doit order by task_id limit 1").fetchone()[0]
+    con.execute("update doit set task_data = cast(x'7b22ff22' as text) where task_id = ?", (task,))
+    con.commit()
+    assert con.execute("pragma quick_check").fetchone() == ("ok",)
+    con.close()
+    run = heals(built, environ, reference, says="moved a damaged doit database aside")
+    assert run.output.count("moved a damaged doit database aside") == 1, run.tail()
+    assert list(built.glob(".doit.db.corrupt-*")), run.tail()
+
+
 def test_a_warm_tree_builds_without_its_compiler(tmp_path, environ):
     cc = tmp_path / "bin" / "cc"
     cc.parent.mkdir()

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..engine import fingerprint
 from ..engine.engine import Engine, MissingBlob, Result
 from ..engine.errors import UserError
-from ..engine.files import tree_memo, write_if_changed
+from ..engine.files import read_recorded, tree_memo, write_if_changed
 from ..engine.log import log, phase_finished, span
 from ..engine.store import Store, cache_dir, size_limit
 
@@ -153,7 +153,7 @@ class Workspace:
     # running ------------------------------------------------------------------------------
     def read_source(self, path: Path) -> bytes:
         try:
-            return (self.root / path).read_bytes()
+            return read_recorded(self.root / path)   # doit's record of it: these bytes (tasks.py)
         except OSError as exc:
             raise UserError(str(path), f"cannot read: {exc.strerror}") from None
 

@@ -34,16 +34,19 @@ from ..ui import console
 from . import taskcache
 from ..ui.console import Reporter  # noqa: F401 - doit's classic reporter (IPUBUILD_CONSOLE=tasks)
 from ..engine.errors import UserError
-from ..engine.files import file_digest, settled, stat_key, tree_memo, write_if_changed
+from ..engine.files import file_digest, read_record, settled, stat_key, tree_memo, write_if_changed
 
 _locks: dict[Path, object] = {}
 _executed = [0]          # steps run by this process (a no-op build keeps the last build's trace)
+_changed: set = set()    # sources that changed while a task that read them ran (warned once)
 
 
 class ContentChecker(FileChangedChecker):
     """doit's file checker by content: a dependency changed when its sha256 did. An unchanged
     stat key (size, mtime, ctime, inode — no edit can preserve all four) skips re-hashing; an
-    mtime restored by ``cp -p``, ``rsync -a`` or ``os.utime`` does not fool it."""
+    mtime restored by ``cp -p``, ``rsync -a`` or ``os.utime`` does not fool it. A source a step
+    read (``files.read_recorded``) is recorded as read, not as it is when the task ends: an edit
+    made while the task ran is reported once, and the next build rebuilds it."""
 
     def check_modified(self, file_path, file_stat, state):
         if not isinstance(state, list) or len(state) != 5:
@@ -54,6 +57,14 @@ class ContentChecker(FileChangedChecker):
 
     def get_state(self, dep, current_state):
         key = stat_key(os.stat(dep))
+        read = read_record(dep)
+        if read is not None and read[0] != key and file_digest(dep) != read[1]:
+            # changed while its task ran: record what the phase read, so the next build rebuilds it
+            if dep not in _changed:
+                _changed.add(dep)
+                from .log import log
+                log.warning(f"{dep} changed during the build; the next build rebuilds it")
+            return [None] * 4 + [read[1]]
         if isinstance(current_state, list) and current_state[:4] == key:
             return None
         # a file changed within the clock's granularity could change again unseen: re-hash it
@@ -90,9 +101,16 @@ def heal_doit_db(path: Path) -> None:
         con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
             ok = con.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+            if ok:   # and every row reads as doit reads it (a row quick_check passes can still fail)
+                tables = {r[0] for r in con.execute("select name from sqlite_master where type = 'table'")}
+                if "doit" in tables:
+                    for task_id, data in con.execute("select task_id, task_data from doit"):
+                        if not isinstance(task_id, str) or not isinstance(json.loads(data), dict):
+                            ok = False
+                            break
         finally:
             con.close()
-    except sqlite3.DatabaseError:
+    except Exception:  # noqa: BLE001 - whatever fails to read (a bad byte, bad JSON) is damage
         ok = False
     if not ok:
         aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}")

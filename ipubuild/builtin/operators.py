@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..graph import fp8
+from ..graph import fp8, hostmatmul
 from .. import hookimpl
 from ..graph.ir import FP8
 # each kernel's cycle estimators live beside its C source; imported module by module, so that
@@ -95,7 +95,7 @@ def _product_bound(a, av, b, bv, trans_b=False, terms=0):
     there), which is within ``gamma(k)`` of exact: so many more roundings keep it a bound."""
     pa, pb = np.abs(_decode(a, av)), np.abs(_decode(b, bv))
     k = pa.shape[-1]
-    mags = (pa @ (pb.T if trans_b else pb)).astype(np.float64) * (1 + 2 * gamma(k))
+    mags = hostmatmul.matmul(pa, pb.T if trans_b else pb) * (1 + 2 * gamma(k))
     return 2 * gamma(k + terms) * mags * 2.0 ** -(av.scale_exp + bv.scale_exp)
 
 
@@ -524,8 +524,10 @@ def _decode(x, v):
 
 def _matmul_reference(a, av, b, bv, trans_b=False):
     b = _decode(b, bv)
-    out = _decode(a, av) @ (b.T if trans_b else b)
-    return (out * np.float32(2.0 ** -(av.scale_exp + bv.scale_exp))).astype(np.float32)
+    # the same bits on every CPU (BLAS's summation order depends on the processor), and exact
+    # for FP8 operands; one rounding to f32
+    out = hostmatmul.matmul(_decode(a, av), b.T if trans_b else b)
+    return (out * 2.0 ** -(av.scale_exp + bv.scale_exp)).astype(np.float32)
 
 
 class MatMul(Operator):

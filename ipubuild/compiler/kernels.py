@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import shlex
 import shutil
+import signal
 import struct
 import subprocess
 import tempfile
@@ -61,8 +63,19 @@ def compiler() -> tuple[str, str]:
             os.environ.get("IPUBUILD_CFLAGS") or DEFAULT_CFLAGS)
 
 
+#: CPU seconds the compiler may use per process (a limit of CPU, not of wall time: a loaded
+#: machine, or a clock that runs fast, gives the same build as a quiet one)
+COMPILER_CPU_SECONDS = 300
+
+
+def _cpu_limit(seconds: int = COMPILER_CPU_SECONDS):
+    def limit():                     # in the child, before exec; inherited by cc1, as and ld
+        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 5))
+    return limit
+
+
 def _run(cmd: list[str]) -> str:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+    return subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_cpu_limit(30)).stdout
 
 
 def compiler_files(cc: str) -> list[str]:
@@ -183,12 +196,12 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
         cmd = [*shlex.split(cc), *shlex.split(cflags), *[f"-D{k}={v}" for k, v in defines],
                "-o", str(Path(tmp) / "kernel.so"), source_name, *extra, "-lm"]
         try:
-            proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, preexec_fn=_cpu_limit())
         except OSError as exc:
             raise UserError(f"kernel {name}", f"cannot run the C compiler {cc!r}: {exc.strerror}") from None
-        except subprocess.TimeoutExpired:
-            raise UserError(f"kernel {name} ({where})", "the C compiler took more than 300 s; "
-                            "check the source or IPUBUILD_CFLAGS") from None
+        if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) or "CPU time limit" in proc.stderr:
+            raise UserError(f"kernel {name} ({where})", f"the C compiler used more than {COMPILER_CPU_SECONDS} s "
+                            "of CPU; check the source or IPUBUILD_CFLAGS")
         diagnostics = proc.stderr.replace(source_name, where)
         obj = (Path(tmp) / "kernel.so").read_bytes() if proc.returncode == 0 else b""
         return proc.returncode, obj, diagnostics

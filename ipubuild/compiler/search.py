@@ -298,13 +298,13 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
     cfg = ctx.config["search"]
     tiles = ctx.config["target"]["tile_count"]
     machine = machine_of(ctx)
+    _check_fits(graph, tiles, machine, ctx.config["path"])
     sc = SearchContext(graph, tiles, machine)
     base = {k: ctx.digest(k) for k in ("graph", "machine", "runtime", "reservations")}
     key = ctx.engine.action_key(ctx.phase, ctx.input_digests, ctx.config)
     path = state_path(ctx)
     policy = str(graph.cast_storage)
     found = heuristics()
-    t_start = time.perf_counter()
     pool = Pool(cfg["workers"], ctx.engine, base, ctx.config)
     try:
         state = _load(path, key)
@@ -340,7 +340,8 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             state["visited"] = sorted(set(state["visited"]) | {canonical.digest_of(incumbent)})
             _save(path, state)
         visited = set(state["visited"])
-        while state["round"] < cfg["rounds"] and time.perf_counter() - t_start < cfg["seconds"]:
+        # the budget is counted (rounds, evaluations), never timed: the same layout at any load
+        while state["round"] < cfg["rounds"] and state["attempts"] < cfg["evaluations"]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()
             proposals = [(h.name, ch) for h in found for ch in _proposals(h, incumbent, sc)]
@@ -349,7 +350,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
                      **screened.invalid, **_by_heuristic(per, ("proposed", "fit", "cheaper", "shortlisted")))
             screen_s = time.perf_counter() - t0
-            shortlist = screened.shortlist
+            shortlist = screened.shortlist[:cfg["evaluations"] - state["attempts"]]
             if not shortlist:
                 _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]
@@ -399,6 +400,19 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                            "heuristics": state.get("heuristics", {})}
     finally:
         pool.close()
+
+
+def _check_fits(graph, tiles: int, machine: dict, where: str) -> None:
+    """Stop at once, in one line, when the model's constants alone exceed the tiles' memory
+    (before any layout is planned: on a large model that takes minutes)."""
+    mem = machine["memory"]
+    per_tile = mem["loader_limit"] - mem["sram_base"]
+    need = sum(graph.values[v].nbytes for v in graph.constants)
+    if need > tiles * per_tile:
+        mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+        raise UserError(f"{where}: target.tile_count", f"the model's constants need {mib(need)}, more than "
+                        f"{tiles} tile{'s' if tiles != 1 else ''} hold{'s' if tiles == 1 else ''} ({mib(tiles * per_tile)}: {per_tile:,} bytes a tile); it needs at "
+                        f"least {-(-need // per_tile):,} tiles, or a smaller model")
 
 
 def _weight(ch: Changes, baseline: Baseline) -> int:

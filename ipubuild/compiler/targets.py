@@ -333,7 +333,12 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
         "rounds": Field(int, 3, min=0, max=1000, doc="Search rounds after the initial plan."),
         "shortlist": Field(int, 3, min=1, max=64, doc="Candidates measured per round."),
         "workers": Field(int, 2, min=1, max=64, doc="Parallel measuring workers."),
-        "seconds": Field(float, 120.0, min=0, min_exclusive=True, doc="Wall-clock budget for the search."),
+        "evaluations": Field(int, 100, min=1, max=100000,
+                             doc="The search's budget: exact candidate evaluations after the initial layout "
+                                 "(counted, never timed, so the layout is the same on every machine at any load)."),
+        "seconds": Field(float, 0.0, min=0,
+                         doc="Ignored (older target files set it): a wall-clock budget made the layout depend on "
+                             "the machine's load; the budget is rounds and evaluations."),
         "seed": Field(int, 0, min=0, doc="Seed for the proposal generator."),
         "proposals": Field(int, 640, min=1, max=100000, doc="Proposals scored by the cost model per round."),
     },
@@ -399,6 +404,10 @@ def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
     for section, fields in schema.items():
         table = data.get(section, {})
         resolved[section] = check_table(table, fields, where, section, allow_unknown=(section == "model"))
+    if resolved["search"].pop("seconds"):     # no effect, so not in any action key either
+        from .log import log
+        log.info("ignored [search] seconds: the search's budget is rounds and evaluations, never wall time",
+                 path=where)
 
     for kind, names in (known or {}).items():
         if kind not in _KNOWN_KEYS:

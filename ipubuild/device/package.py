@@ -343,10 +343,15 @@ class Package:
         self._check_machine(m)
         used = self._check_tiles(m)
         host = self._check_host(m)
-        self.images = {}
+        self.images, self._senders = {}, {}
         for digest in sorted(set(m["tile_images"])):
             self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
                                               host["run"]["phases"])
+        for t, digest in enumerate(m["tile_images"]):   # an image in its own tile's slot
+            senders = self._senders.get(digest, set())
+            if senders and senders != {t}:
+                self._fail(f"tile {t} holds tile image {digest[:16]}, whose exchange table sends from tile "
+                           f"{min(senders - {t})}: the tile table does not put each image in its tile's slot")
         for side in ("inputs", "outputs"):
             self._check_bindings(m, side, used)
         return m
@@ -438,7 +443,8 @@ class Package:
                 self._fail(f"{what} is loaded on a tile but lacks its program or exchange table")
             kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
             self._check_program(what, arrays["program"], kernels, phases)
-            self._check_exchange(m, what, arrays["exchange"], used, phases)
+            table = self._check_exchange(m, what, arrays["exchange"], used, phases)
+            self._senders[digest] = {e[1] for e in table}
         return header, arrays
 
     def _check_segments(self, m: dict, what: str, segments: list, arrays: dict) -> None:
@@ -510,6 +516,7 @@ class Package:
                                      for t, a, st in ends):
                 self._fail(f"entry {i} {e[:9]} of the exchange table of {what} is past the run phases, a "
                            "loaded tile or tile memory")
+        return table
 
     def _check_bindings(self, m: dict, side: str, used: set) -> None:
         mc = m["machine"]

@@ -35,7 +35,30 @@ def scheduler() -> str | None:
         return None
     if not _ADDRESS.fullmatch(raw):
         raise UserError(ENV, f"expected a scheduler address such as tcp://host:8786, got {raw!r}")
-    return raw if "://" in raw else "tcp://" + raw
+    address = raw if "://" in raw else "tcp://" + raw
+    _warn_plain(address)
+    return address
+
+
+_warned: set = set()
+
+
+def _warn_plain(address: str) -> None:
+    """One warning for a plain ``tcp://`` scheduler that is not on this machine's loopback: a Dask
+    scheduler runs whatever it is sent, and tcp carries it unencrypted and unauthenticated."""
+    if address in _warned or not address.startswith("tcp://"):
+        return
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    import ipaddress
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        _warned.add(address)
+        from .log import log
+        log.warning(f"{ENV}={address} is plain tcp to another machine: anyone who reaches it can run code "
+                    "there; use Dask's TLS (tls://, with certificates: see the README)")
 
 
 def cluster():

@@ -83,6 +83,24 @@ def stat_key_of(path) -> list[int] | None:
         return None
 
 
+#: each source file as this process's steps read it: ``{real path: (stat key before the read,
+#: sha256 of the bytes read)}``; doit records what a phase read, not the file's bytes at the end
+_read: dict[str, tuple] = {}
+
+
+def read_recorded(path) -> bytes:
+    """A source file's bytes, remembered (``read_record``) as what this build read."""
+    key = stat_key_of(path)
+    data = Path(path).read_bytes()
+    _read[os.path.realpath(path)] = (key, hashlib.sha256(data).hexdigest())
+    return data
+
+
+def read_record(path) -> tuple | None:
+    """``(stat key before the read, digest read)`` of a source this process read, or None."""
+    return _read.get(os.path.realpath(path)) if _read else None
+
+
 def file_digest(path) -> str | None:
     """sha256 of a file's bytes, or None if it cannot be read."""
     try:

@@ -228,11 +228,15 @@ class RemoteCache:
         with self._lock:
             if kind in self._warned:
                 return
+            first = not self._warned             # one warning line per remote per build
             self._warned.add(kind)
             if self._parent_pid is not None:
                 self._pending.append((kind, message))
                 return
-        log.warning(message)
+        if first:
+            log.warning(message)
+        else:
+            log.info("remote cache: another kind of failure (see the warning above)", detail=message)
 
     def _failed(self, direction: str, exc: BaseException) -> None:
         if isinstance(exc, RemoteError):

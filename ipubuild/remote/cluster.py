@@ -231,7 +231,8 @@ class Cluster:
         from ..compiler.search import EVALUATION
         return {"config": config, "base": {slot: [d, engine.fetch(d)] for slot, d in sorted(base.items())},
                 "signatures": {n: engine.signature(PHASES[n], config)
-                               for n in (*EVALUATION, "schedule_exchange_phase")}}
+                               # plan_package's too: its code is search.py, which evaluates a candidate
+                               for n in (*EVALUATION, "schedule_exchange_phase", "plan_package")}}
 
     def evaluate_candidates(self, engine, base: dict, config: dict, jobs: list[tuple], here) -> list[dict]:
         """``executors.evaluate_candidates`` on the cluster: one task per candidate."""
@@ -249,6 +250,10 @@ class Cluster:
             if "mismatch" in value:
                 name, parts = next(iter(value["mismatch"].items()))
                 raise Mismatch(self._mismatch(engine, PHASES[name], config, value["worker"], parts))
+            if not _candidate_verified(engine, base, config, jobs[i][2], value):
+                log.warning("a cluster worker returned a candidate that does not verify; evaluating it here",
+                            worker=value.get("worker"), attempt=attempt)
+                return
             results[i] = value["result"]
             log.info("evaluated local candidate", attempt=attempt, proposal=proposal,
                      cycles=value["result"].get("cycles", "invalid"), elapsed_ms=int(value["seconds"] * 1000),
@@ -278,8 +283,11 @@ class Cluster:
         try:
             while head < len(payloads):
                 while sent < len(payloads) and len(running) < 2 * max(2, sum(self._threads.values())):
-                    f = self.client.submit(fn, payloads[sent], key=f"ipubuild-{what}-{batch}-{sent}", pure=False)
-                    f.add_done_callback(lambda _: woken.set())
+                    try:
+                        f = self.client.submit(fn, payloads[sent], key=f"ipubuild-{what}-{batch}-{sent}", pure=False)
+                        f.add_done_callback(lambda _: woken.set())
+                    except Exception as exc:  # noqa: BLE001 - ClosedClientError, CommClosedError, …
+                        raise Lost(f"a task could not be sent ({type(exc).__name__}: {exc})") from None
                     futures[sent] = f
                     running.add(f)
                     sent += 1
@@ -313,6 +321,8 @@ class Cluster:
         except (self.distributed.client.FutureCancelledError, TimeoutError, OSError) as exc:
             raise Lost(f"a task's result could not be fetched ({type(exc).__name__}: {exc})") from None
         except Exception as exc:  # noqa: BLE001 - the task's own failure, or a worker it killed
+            if self.client is None or self.client.status not in ("running", "connecting"):
+                raise Lost(f"the connection to the scheduler was closed ({type(exc).__name__})") from None
             return False, exc
 
     def _check(self, progress: float) -> None:
@@ -549,5 +559,67 @@ def _evaluate(payload: dict) -> dict:
         return {"worker": _address(), "mismatch": mismatch, **clock.read()}
     from ..compiler.search import evaluate
     result = evaluate(engine, base, payload["layout"], payload["config"])
+    chain = [] if "invalid" in result else _chain(engine, base, payload["layout"], payload["config"])
+    cost = {d: engine.fetch(d) for d in [_cost_of(chain)] if d is not None}
     engine.store.trim()
-    return {"worker": _address(), "result": result, **clock.read()}
+    return {"worker": _address(), "result": result, "chain": chain, "blobs": cost, **clock.read()}
+
+
+def _chain(engine, base: dict, layout: dict, config: dict, outputs_of=None) -> list:
+    """A candidate's evaluation as ``[(phase, action key, outputs)]``, walked as ``search.evaluate``
+    walks it: the outputs by ``outputs_of(phase, key)`` (default: this engine's action records)."""
+    from .search import EVALUATION
+    artifacts = dict(base, layout=canonical.digest(canonical.encode(layout)))
+    chain = []
+    for name in EVALUATION:
+        ph = PHASES[name]
+        inputs = {}
+        for slot in ph.inputs:
+            if slot.endswith("/*"):
+                inputs.update({k: d for k, d in artifacts.items() if k.startswith(slot[:-1])})
+            else:
+                inputs[slot] = artifacts[slot]
+        key = engine.action_key(ph, inputs, config)
+        outputs = outputs_of(name, key) if outputs_of is not None else engine.store.get_action(key)
+        if not isinstance(outputs, dict):
+            return chain
+        chain.append((name, key, dict(outputs)))
+        artifacts.update(outputs)
+    return chain
+
+
+def _cost_of(chain: list) -> str | None:
+    """The digest of the cost a candidate's evaluation ends with (its last ``cost`` output)."""
+    return next((outputs["cost"] for _, _, outputs in reversed(chain) if "cost" in outputs), None)
+
+
+def _candidate_verified(engine, base: dict, config: dict, layout: dict, value: dict) -> bool:
+    """A worker's candidate result is what its own artifacts say: every step's action key is the
+    one this build computes from the step before (so the chain starts at this candidate's layout
+    and this build's inputs), and its cost's bytes match their digest and give the cycles it
+    claims. An invalid candidate (no chain) is evaluated here: a worker cannot drop one."""
+    result, chain, blobs = value.get("result"), value.get("chain"), value.get("blobs")
+    if not isinstance(result, dict) or "invalid" in result or not isinstance(chain, list) \
+            or not isinstance(blobs, dict):
+        return False
+    from .search import EVALUATION
+    theirs = {}
+    for step in chain:
+        if not (isinstance(step, (list, tuple)) and len(step) == 3 and isinstance(step[2], dict)):
+            return False
+        theirs[(step[0], step[1])] = step[2]
+    try:
+        ours = _chain(engine, base, layout, config, lambda name, key: theirs.get((name, key)))
+    except (KeyError, TypeError):
+        return False
+    if len(ours) != len(EVALUATION) or len(ours) != len(chain):
+        return False
+    d = _cost_of(ours)
+    data = blobs.get(d)
+    if not isinstance(data, bytes) or canonical.digest(data) != d:
+        return False
+    try:
+        cost = canonical.loads(data)
+        return cost["final_cycles"] == result.get("cycles") and cost["final_exchange"] == result.get("exchange")
+    except (ValueError, KeyError, TypeError):
+        return False
