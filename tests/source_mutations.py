@@ -75,3 +75,11 @@ MUTATIONS = [
     SourceMutation("key_drops_last_declared_leaf", "key", "config_subset forgets a phase's last declared key",
                    E, r"    for key in keys:\n", "    for key in list(keys)[:-1]:\n", (T_KEY,)),
 ]
+MUTATIONS += [
+    # (3) healing by a cold rebuild
+    SourceMutation("heal_deletes_the_cache", "heal", "a damaged doit database 'healed' by deleting the whole cache too",
+                   "ipubuild/tasks.py", r"^        os\.replace\(path, aside\)\n",
+                   "        os.replace(path, aside)\n        import shutil\n"
+                   "        shutil.rmtree(path.parent / '.ipubuild' / 'cache', ignore_errors=True)\n",
+                   ("tests/test_selfheal.py::test_a_damaged_database_is_moved_aside[.doit.db]",), slow=True),
+]
