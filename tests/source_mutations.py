@@ -83,3 +83,30 @@ MUTATIONS += [
                    "        shutil.rmtree(path.parent / '.ipubuild' / 'cache', ignore_errors=True)\n",
                    ("tests/test_selfheal.py::test_a_damaged_database_is_moved_aside[.doit.db]",), slow=True),
 ]
+T_TOL = "tests/test_compare.py::test_every_operators_tolerance_is_pinned"
+MUTATIONS += [
+    # (4) a tolerance widened
+    SourceMutation("softmax_tolerance_100x", "tolerance", "softmax's tolerance widened 100 times",
+                   "ipubuild/builtin/operators.py",
+                   r"return \[\(4 \* LIBM_ULPS \* 2 \* U \+ 2 \* gamma\(n\) \+ 2 \* U\) \* _abs",
+                   "return [100 * (4 * LIBM_ULPS * 2 * U + 2 * gamma(n) + 2 * U) * _abs", (T_TOL,)),
+    SourceMutation("matmul_tolerance_3x", "tolerance", "the matmul bound's gamma(k) taken three times",
+                   "ipubuild/builtin/operators.py", r"return 2 \* gamma\(k \+ terms\) \* mags",
+                   "return 6 * gamma(k + terms) * mags", (T_TOL,)),
+    SourceMutation("layernorm_tolerance_10x", "tolerance", "layer norm's tolerance widened 10 times",
+                   "ipubuild/builtin/operators.py", r"return \[g \* dv \+ 2 \* U",
+                   "return [10 * g * dv + 2 * U", (T_TOL,)),
+    SourceMutation("add_tolerance_nonzero", "tolerance", "adds given a tolerance of an ulp (they are bit-exact)",
+                   "ipubuild/builtin/operators.py", r"return \[0\.0 for _ in op\.outputs\]",
+                   "return [2.0 ** -23 for _ in op.outputs]", (T_TOL,)),
+    SourceMutation("gelu_libm_ulps", "tolerance", "GELU's tanh allowed 400 ulps", "ipubuild/builtin/operators.py",
+                   r"half \* \(2 \* LIBM_ULPS", "half * (200 * LIBM_ULPS", (T_TOL,)),
+]
+T_WORSE = ("tests/test_search.py::test_the_search_never_ships_a_layout_costlier_than_its_incumbent_when_worse_ones_are_evaluated",)
+MUTATIONS += [
+    # (2) the search accepting a worse layout
+    SourceMutation("search_accepts_anything", "search", "the acceptance check made `if True`", S,
+                   r'^                if r\["cycles"\] < cycles:$', "                if True:", T_WORSE),
+    SourceMutation("search_accepts_5pc_worse", "search", "the acceptance check takes a candidate within 5 % worse", S,
+                   r'^                if r\["cycles"\] < cycles:$', '                if r["cycles"] < cycles * 1.05:', T_WORSE),
+]

@@ -320,3 +320,45 @@ def test_a_malformed_proposal_is_one_line_naming_the_heuristic(changes):
         _proposals(Heuristic("broken", lambda layout, sc: [Changes(plans=((0, 1),)), changes]), {"ops": {}}, None)
     assert str(e.value).startswith("search heuristic broken: proposal 1: Changes.")
     assert "\n" not in str(e.value)
+
+
+def test_the_search_never_ships_a_layout_costlier_than_its_incumbent_when_worse_ones_are_evaluated(tmp_path, monkeypatch):
+    """On the small target, with the screen turned round so that the shortlist holds the
+    proposals the estimate finds slightly *worse* (as a misleading estimate or a plugin's
+    heuristic would hand it), the search evaluates candidates costlier than its incumbent —
+    some within 5 % of it — and still ships a layout no costlier than any incumbent it had:
+    every accepted step improves the exact cost, and the package's cost is the last one's.
+    (An acceptance check made ``if True``, or "within 5 % worse", fails here.)"""
+    from ipubuild import search
+    from ipubuild.estimator import Baseline
+    real_compare, real_evaluate = Baseline.compare, search.evaluate
+
+    def slightly_worse_first(self, layout):
+        e, fits = real_compare(self, layout)
+        if e is None or not fits or e <= self.total:
+            return (None if e is None else max(e, self.total)), fits      # never "cheaper"
+        return e - 10**9, fits           # "cheaper", the least worse first
+
+    evaluated = []
+
+    def recorded(engine, base, layout, config):
+        r = real_evaluate(engine, base, layout, config)
+        evaluated.append(r.get("cycles"))
+        return r
+    monkeypatch.setattr(Baseline, "compare", slightly_worse_first)
+    monkeypatch.setattr(search, "evaluate", recorded)
+    root = small_tree(tmp_path / "tree", workers=1)       # candidates evaluated in this process
+    monkeypatch.chdir(root)
+    out = build_in_process(root, "targets/small.toml")
+    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    shipped = Workspace.at(root).engine.decoded(out["small/cost"])["final_cycles"]
+    incumbents = [evaluated[0]] + [h["after"] for h in state["history"]]
+    last = evaluated.index(incumbents[-1], 1) if state["history"] else 0
+    later = evaluated[last + 1:]               # candidates evaluated after the last acceptance
+    assert later and all(c is not None and c > incumbents[-1] for c in later), (evaluated, state["history"])
+    assert any(c <= incumbents[-1] * 1.05 for c in later), evaluated       # a "within 5 %" check would take one
+    before = evaluated[0]
+    for h in state["history"]:
+        assert h["before"] == before and h["after"] < h["before"], state["history"]
+        before = h["after"]
+    assert shipped == state["cycles"] == incumbents[-1] == min(incumbents) <= evaluated[0]
