@@ -110,3 +110,20 @@ MUTATIONS += [
     SourceMutation("search_accepts_5pc_worse", "search", "the acceptance check takes a candidate within 5 % worse", S,
                    r'^                if r\["cycles"\] < cycles:$', '                if r["cycles"] < cycles * 1.05:', T_WORSE),
 ]
+T_EST = ("tests/test_search.py::test_estimator_terms_are_pinned_against_the_exact_cost_model",)
+MUTATIONS += [
+    # (5) the search's estimator
+    SourceMutation("estimator_drops_sync", "estimator", "the estimator leaves out the sync", "ipubuild/estimator.py",
+                   r"total \+= port\.horizon\(\) \+ compute \+ sync", "total += port.horizon() + compute", T_EST),
+    SourceMutation("estimator_halves_broadcast_sends", "estimator", "broadcast sends charged half",
+                   "ipubuild/estimator.py", r'port\.add\("send", src\[far\]\[first\], cycles\[first\],',
+                   'port.add("send", src[far][first], cycles[first] // 2,', T_EST),
+    SourceMutation("estimator_sends_per_receiver", "estimator", "a broadcast charged one send per receiver",
+                   "ipubuild/estimator.py", r'port\.add\("send", src\[far\]\[first\], cycles\[first\], nbytes\[far\]\[first\]\)',
+                   'port.add("send", src[far], cycles, nbytes[far])', T_EST),
+    SourceMutation("estimator_compute_drops_overhead", "estimator", "the slowest tile's compute taken as the mean",
+                   "ipubuild/estimator.py", r"stages\.append\(\(max\(compute\.values\(\), default=0\),",
+                   "stages.append((sum(compute.values()) // max(1, len(compute)),", T_EST),
+    SourceMutation("estimator_exchange_setup_per_fragment", "estimator", "a transfer's setup charged once, not per row",
+                   "ipubuild/estimator.py", r"setup = x\[\"transfer_setup_cycles\"\] \* rows", 'setup = x["transfer_setup_cycles"] + 0 * rows', T_EST),
+]

@@ -1,5 +1,6 @@
 """The layout search: never worse, deterministic across worker counts, screening adds up,
 resumable after kill -9 to the same package, stale or corrupt state ignored."""
+import collections
 import os
 import signal
 import subprocess
@@ -362,3 +363,83 @@ def test_the_search_never_ships_a_layout_costlier_than_its_incumbent_when_worse_
         assert h["before"] == before and h["after"] < h["before"], state["history"]
         before = h["after"]
     assert shipped == state["cycles"] == incumbents[-1] == min(incumbents) <= evaluated[0]
+
+
+@pytest.fixture(scope="module")
+def built_small(tmp_path_factory):
+    """The small target built once in-process (one round): its workspace, target and graph."""
+    root = make_tree(tmp_path_factory.mktemp("est"), {"small": SMALL.replace("rounds = 3", "rounds = 1")})
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        build_in_process(root, "targets/small.toml")
+        target = load_target("targets/small.toml", root=root)
+    finally:
+        os.chdir(cwd)
+    ws = Workspace.at(root)
+    yield ws, target, build_model(get_plugin_manager(), target).graph
+    ws.store.close()
+
+
+def test_estimator_terms_are_pinned_against_the_exact_cost_model(built_small, monkeypatch):
+    """On a few layouts of the small target (the initial one and three whole-program tile
+    mappings), each operation's estimate is, term by term, the exact cost model's: its slowest
+    tile's compute and its syncs as the costed program has them, one stage per program step, and
+    its exchange the busiest port's load of the exact program's transfers (coalesced, grouped
+    into broadcasts: one send per fragment, each receiver's receive) — which no ordinary
+    schedule beats. (Dropping the sync, or halving the broadcast sends, fails here.)"""
+    from ipubuild import estimator
+    from ipubuild.planning import exchange as X
+    from ipubuild.search import EVALUATION, PHASES, mapping_candidates
+    ws, target, graph = built_small
+    machine = load_machine("ipu21")
+    base = {"graph": ws.read_ref("small/graph"), "runtime": ws.read_ref("small/runtime"),
+            "reservations": ws.read_ref("small/kernel_reservations"), "machine": ws.read_ref("machines/ipu21")}
+    assert all(base.values()), base
+
+    def exact(layout):
+        arts = dict(base, layout=ws.engine.put(canonical.encode(layout), pin=True))
+        for name in EVALUATION:
+            arts.update(ws.engine.run(name, {s: arts[s] for s in PHASES[name].inputs}, target).outputs)
+        return ws.engine.decoded(arts["cost"]), ws.engine.decoded(arts["program"])
+
+    def busiest_port(transfers) -> int:
+        load = collections.Counter()
+        for t in X.broadcasts(X.coalesce(transfers), paired=False):
+            ports, duration = X._ports_and_duration(t, machine, False)
+            for p in ports:
+                load[p] += duration
+        return max(load.values(), default=0)
+
+    horizons = []
+    real_horizon = estimator._Ports.horizon
+    monkeypatch.setattr(estimator._Ports, "horizon", lambda self: horizons.append(real_horizon(self)) or horizons[-1])
+    sc = SearchContext(graph, 16, machine)
+    est, sync = sc.estimator, machine["exchange"]["sync_cycles"]
+    first = initial_layout(sc, heuristics())
+    exchanging = 0
+    for layout in [first] + mapping_candidates(first, 16)[1:4]:
+        cost, program = exact(layout)
+        want = collections.defaultdict(lambda: collections.Counter())
+        for step, c in zip(program["steps"], cost["steps"]):
+            w = want[step["op"]]
+            w.update(exchange=c["exchange"], compute=c["compute"], sync=c["sync"], steps=1,
+                     ports=busiest_port(step["transfers"]))
+        res = est.resolve(layout)
+        total = 0
+        for op in graph.ops:
+            horizons.clear()
+            est._terms.clear()
+            term = est.term(op, layout, res)
+            stages = est._stages(op, res[op.id][0])[0]
+            compute, exchanged = sum(s[0] for s in stages), sum(horizons)
+            w = want[op.id]
+            assert len(stages) == len(horizons) == w["steps"], op.name
+            assert term.cycles == exchanged + compute + sync * len(stages), (op.name, term.cycles, exchanged, compute)
+            assert compute == w["compute"] and sync * len(stages) == w["sync"], (op.name, compute, dict(w))
+            assert exchanged == w["ports"], (op.name, exchanged, dict(w))
+            exchanging += exchanged > 0
+            total += term.cycles
+        assert est.estimate(layout) == total <= cost["final_cycles"] + sum(
+            max(0, w["ports"] - w["exchange"]) for w in want.values())
+    assert exchanging > 30, exchanging
