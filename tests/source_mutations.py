@@ -127,3 +127,17 @@ MUTATIONS += [
     SourceMutation("estimator_exchange_setup_per_fragment", "estimator", "a transfer's setup charged once, not per row",
                    "ipubuild/estimator.py", r"setup = x\[\"transfer_setup_cycles\"\] \* rows", 'setup = x["transfer_setup_cycles"] + 0 * rows', T_EST),
 ]
+T_PAIRED = ("tests/test_programs.py::test_a_paired_exchange_plan_builds_runs_and_is_timed_paired_on_the_simulator",)
+SIM = "ipubuild/builtin/simulator.py"
+MUTATIONS += [
+    # (6) paired exchange
+    SourceMutation("simulator_times_paired_as_ordinary", "paired", "the simulator ignores pairing when timing a step",
+                   SIM, r"exchange\.horizon_of\(es, machine, paired\[s\]\)", "exchange.horizon_of(es, machine, False)",
+                   T_PAIRED),
+    SourceMutation("simulator_skips_paired_exchanges", "paired", "the simulator skips the transfers of paired steps",
+                   SIM, r"^                run_exchange\(memory, row_of, plan\.entries\[s\]\)$",
+                   "                if not host_program['paired'][s]:\n"
+                   "                    run_exchange(memory, row_of, plan.entries[s])", T_PAIRED),
+    SourceMutation("planner_never_pairs", "paired", "the planner never keeps a paired schedule",
+                   "ipubuild/planning/exchange.py", r"use_paired = paired < ordinary", "use_paired = False", T_PAIRED),
+]
