@@ -141,3 +141,14 @@ MUTATIONS += [
     SourceMutation("planner_never_pairs", "paired", "the planner never keeps a paired schedule",
                    "ipubuild/planning/exchange.py", r"use_paired = paired < ordinary", "use_paired = False", T_PAIRED),
 ]
+MUTATIONS += [
+    SourceMutation("phase_sees_all_configuration", "key", "a phase handed the whole configuration, its key only the declared part",
+                   E, r"blobs = ph\.fn\(Context\(self, ph, inputs, _unflatten\(subset\)\)\)",
+                   "blobs = ph.fn(Context(self, ph, inputs, config))",
+                   ("tests/test_engine.py::test_a_phase_sees_only_the_configuration_it_declares",)),
+]
+MUTATIONS += [
+    SourceMutation("map_values_declares_nothing", "key", "map_values no longer declares numerics.compare (it still reads it)",
+                   "ipubuild/compare.py", r'outputs=\("value_map",\), config=\("numerics\.compare",\)\)',
+                   'outputs=("value_map",))', T_PAIRED),
+]

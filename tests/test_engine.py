@@ -127,6 +127,22 @@ def test_config_subset_declared_key_misses_undeclared_hits(eng, key):
     assert eng.fetch(r.outputs["upper"]).endswith(json.dumps({key: 4}).encode())
 
 
+def test_a_phase_sees_only_the_configuration_it_declares(eng):
+    """What a phase reads must be in its key: the engine hands it only its declared leaves, so a
+    read of any other fails at once instead of giving a result the key does not cover."""
+    name = _name("reads")
+    seen = []
+
+    @phase(name, inputs=("text",), outputs=("out",), config=("search.rounds",))
+    def fn(ctx):
+        seen.append(ctx.config)
+        return {"out": json.dumps(ctx.config["numerics"]["compare"]).encode()}
+    d = eng.store.put(b"abc")
+    with pytest.raises(KeyError):
+        eng.run(name, {"text": d}, {"search": {"rounds": 1, "seed": 2}, "numerics": {"compare": "outputs"}})
+    assert seen == [{"search": {"rounds": 1}}]
+
+
 def test_config_subset_helper():
     cfg = {"a": {"b": {"c": 1}}, "x": 5, "s": "str"}
     assert config_subset(cfg, ("a.b.c", "x", "a.zz", "s.t", "nope")) == {
