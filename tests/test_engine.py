@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ipubuild.analysis  # noqa: F401 - with ipubuild.build: every built-in phase registered before
+import ipubuild.build  # noqa: F401   _isolate_phases takes its snapshot of the registry
 from ipubuild import canonical, engine, fingerprint
 from ipubuild.engine import PHASES, Engine, config_subset, phase
 from ipubuild.errors import UserError
