@@ -23,8 +23,10 @@ PARALLEL = 2
 @pytest.fixture(scope="module")
 def outcomes(tmp_path_factory) -> dict:
     """Each mutation's run of its named tests in its own mutated copy: ``{name: (exit, output)}``."""
+    base = tmp_path_factory.mktemp("mutations")      # made here: the factory is not thread-safe
+
     def one(m):
-        tree = scratch_copy(tmp_path_factory.mktemp(m.name))
+        tree = scratch_copy(base / m.name)
         m.apply(tree)
         run = run_tests(tree, m.tests)
         return m.name, (run.returncode, run.stdout[-4000:] + run.stderr[-2000:])
