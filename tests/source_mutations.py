@@ -152,3 +152,7 @@ MUTATIONS += [
                    "ipubuild/compare.py", r'outputs=\("value_map",\), config=\("numerics\.compare",\)\)',
                    'outputs=("value_map",))', T_PAIRED),
 ]
+MUTATIONS += [
+    SourceMutation("mapping_accepts_anything", "search", "the tile-mapping screen keeps its candidate whatever it costs", S,
+                   r'if "invalid" not in r and r\["cycles"\] < cycles:', 'if "invalid" not in r:', T_WORSE),
+]
