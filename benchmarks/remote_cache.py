@@ -4,6 +4,10 @@ and saves, on ``targets/vit_fp8.toml``.
 
     python benchmarks/remote_cache.py [--repeats N] [--out benchmarks/results/remote_cache.json]
 
+Per build it also records CPU seconds (user + system of the build and every process it waited
+for) and the peak PSS of its process tree (benchmarks/pss.py); ``fill_cpu_over_local_s`` is what
+uploading cost in CPU, per repeat (the fill build less the local-only one).
+
 Each repeat, in scratch copies of the tracked files (as benchmarks/run.py makes them), times:
 
 * ``local``: a clean build without a remote (the reference);
@@ -110,7 +114,8 @@ def run(args) -> dict:
             digests = {k: hashlib.sha256((b.tree / "artifacts" / TARGET / f"{TARGET}.ipuexe").read_bytes()).hexdigest()
                        for k, (b, _) in runs.items()}
             for k, (b, r) in runs.items():
-                samples[k].append({"wall_s": r["wall_s"], "uncached_phases": r["uncached_phases"],
+                samples[k].append({"wall_s": r["wall_s"], "cpu_s": r["cpu_s"], "peak_pss_mib": r["peak_pss_mib"],
+                                   "uncached_phases": r["uncached_phases"],
                                    "executed_count": r["executed_count"], "cache": cache_line(b, r),
                                    "package_sha256": digests[k], "log": r["log"]})
             if len(set(digests.values())) != 1:
@@ -128,10 +133,16 @@ def run(args) -> dict:
     for num, den in (("fresh", "local"), ("fresh", "fill"), ("fill", "local"), ("warm", "local"), ("down", "local")):
         per = [round(a / b, 4) for a, b in zip(walls[num], walls[den])]
         ratios[f"{num}/{den}"] = {"median": median(per), "per_repeat": per}
-    return {"schema": 1, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    cpu = {k: [s["cpu_s"] for s in v] for k, v in samples.items()}
+    # what filling a remote costs: CPU seconds (user + system, the build and every process it
+    # waited for) of the clean build that uploads, less the local-only one of the same repeat
+    fill_cost = [round(a - b, 3) for a, b in zip(cpu["fill"], cpu["local"])]
+    return {"schema": 2, "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(sys.argv), "target": TARGET, "repeats": args.repeats,
             "total_s": round(time.perf_counter() - t_start, 1), "machine": info,
-            "medians": {k: median(v) for k, v in walls.items()}, "ratios": ratios, "samples": samples,
+            "medians": {k: median(v) for k, v in walls.items()}, "ratios": ratios,
+            "cpu_medians": {k: median(v) for k, v in cpu.items()},
+            "fill_cpu_over_local_s": {"median": median(fill_cost), "per_repeat": fill_cost}, "samples": samples,
             "server_requests": {"GET": sum('"GET ' in r for r in requests), "PUT": sum('"PUT ' in r for r in requests)},
             "scratch": str(scratch) if args.keep_scratch else None}
 
@@ -154,6 +165,9 @@ def main() -> int:
         print(f"{k:<8}{v:>10.2f}")
     for k, v in result["ratios"].items():
         print(f"  {k:<14}{v['median']:>8.3f}   {v['per_repeat']}")
+    print(f"CPU s (median): " + ", ".join(f"{k} {v:.2f}" for k, v in result["cpu_medians"].items()))
+    f = result["fill_cpu_over_local_s"]
+    print(f"filling the remote: {f['median']:+.2f} CPU s over a local-only clean build {f['per_repeat']}")
     print(f"fresh tree's cache line: {result['samples']['fresh'][-1]['cache']}")
     print(f"written to {args.out}")
     return 0

@@ -37,11 +37,14 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))     # its sibling modules, however it is loaded
+from pss import TreeSampler  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 MAIN_TARGET = "vit_fp8"
 SCALE_TARGET = "vit_b16_fp8"
 KERNEL = Path("ipubuild/kernels/matmul.c")
-SCHEMA = 2
+SCHEMA = 3                 # 3: peak memory is the process tree's PSS (peak_pss_mib), CPU seconds per build
 FLOOR_PAIRS = 5            # no-op builds alternating with `python -c "import doit"`
 
 # log parsing ------------------------------------------------------------------------------------
@@ -266,7 +269,8 @@ class Bench:
         tasks = parse_tasks(log)
         progress(f"  {label}: {wall:.2f} s, {len(tasks['executed'])} task(s) executed")
         return {"label": label, "wall_s": round(wall, 4), "returncode": proc.returncode, **result,
-                "peak_rss_mib": round(peak_kib / 1024, 1),
+                "peak_pss_mib": None if peak_kib is None else round(peak_kib / 1024, 1),
+                "cpu_s": _timed.last["cpu_s"], "largest_process_rss_mib": round(_timed.last["max_rss_kib"] / 1024, 1),
                 "compiled_ms": sum(int(m["ms"]) for m in _COMPILED.finditer(log)),
                 "compiled": [m["variant"] for m in _COMPILED.finditer(log)],
                 "candidate_ms": [int(m["ms"]) for m in _CANDIDATE.finditer(log)],
@@ -287,15 +291,25 @@ class Bench:
         return _timed([sys.executable, "-c", "import doit"], self.tree, self.env, log_path)[0]
 
 
-def _timed(cmd, cwd, env, log_path) -> tuple[float, int, int]:
-    """(wall seconds, exit status, peak resident KiB of the process and the children it reaped)."""
+def _timed(cmd, cwd, env, log_path) -> tuple[float, int, int | None]:
+    """(wall seconds, exit status, peak memory KiB of the whole process tree: the sum of the PSS
+    of the process and all its descendants, sampled by ``pss.TreeSampler``; None where /proc
+    lacks what it reads). ``_timed.last`` keeps the run's CPU seconds (user + system, of the
+    process and every descendant it waited for: ``wait4``'s usage) and the largest single
+    process's ``ru_maxrss``."""
     with open(log_path, "wb") as f:
         t0 = time.perf_counter()
         p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(p.pid, 0)
+        with TreeSampler(p.pid) as sampler:
+            _, status, usage = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
-    return wall, p.returncode, usage.ru_maxrss
+    _timed.last = {"cpu_s": round(usage.ru_utime + usage.ru_stime, 3), "max_rss_kib": usage.ru_maxrss,
+                   "pss_samples": sampler.samples}
+    return wall, p.returncode, sampler.peak_kib
+
+
+_timed.last = {}
 
 
 def _one(values):
@@ -549,7 +563,7 @@ def assemble(info, args, repeats, scale_repeats, raw, floor, search, scale, tota
                     "evaluate_reference_ms": device["evaluate_reference_ms"]["median"],
                     "noop_floor_s": median(floor["noop"]), "import_doit_s": median(floor["import_doit"]),
                     "candidate_ms": median([ms for v in search.values() for s in v for ms in s["candidate_ms"]]),
-                    "scale_peak_rss_mib": median([s["peak_rss_mib"] for s in scale["clean"]]),
+                    "scale_peak_pss_mib": median([s["peak_pss_mib"] for s in scale["clean"]]),
                     "scale_run_device_ms": median([s["run_device_ms"] for s in scale["clean"]]),
                     "scale_evaluate_reference_ms": median([s["evaluate_reference_ms"] for s in scale["clean"]])},
         "builds": builds,
@@ -592,7 +606,7 @@ def table(res: dict) -> str:
               f"{'kernel edit: compile ms':<36} {_f(md['kernel_edit_compile_ms'], '{:.0f}'):>10}",
               f"{'kernel edit: run_device ms':<36} {_f(md['kernel_edit_device_ms'], '{:.0f}'):>10}",
               f"{'comment edit: compile ms':<36} {_f(md['comment_edit_compile_ms'], '{:.0f}'):>10}",
-              f"{'scale: peak memory MiB':<36} {_f(md['scale_peak_rss_mib'], '{:.0f}'):>10}",
+              f"{'scale: peak memory MiB (tree PSS)':<36} {_f(md['scale_peak_pss_mib'], '{:.0f}'):>10}",
               f"{'scale: run_device / reference ms':<36} {_f(md['scale_run_device_ms'], '{:.0f}'):>10} "
               f"{_f(md['scale_evaluate_reference_ms'], '{:.0f}'):>10}",
               f"{'clean: run_device ms (simulator)':<36} {_f(md['run_device_ms'], '{:.0f}'):>10}",

@@ -53,4 +53,6 @@ MUTATIONS = [
              "the destination's stride", "cast.c",
              "convert(src + r * args[5], dst + r * args[6], cols, scale);",
              "convert(src + r * args[6], dst + r * args[6], cols, scale);", "patchify", "cast_rows_f32_f143"),
+    Mutation("softmax_sum_skips_first", "the softmax's sum leaves out each row's first exponential", "softmax.c",
+             "            sum += e;", "            sum += j ? e : 0.0f;", "block0.softmax", "softmax_f32"),
 ]

@@ -241,3 +241,70 @@ def test_the_failure_line_names_the_device_first_then_the_operation_then_the_gat
     assert failure_line(device, "targets/t.toml", "ipumodel") == (
         "device ipumodel: step 3 (s): the exchange from tile 1 to tile 2 writes [0, 4) outside tile 2's data memory")
     assert failure_line(dict(base, **{"pass": True}), "targets/t.toml", "ipumodel") is None
+
+
+# every operator's tolerance, pinned --------------------------------------------------------------
+# (median, max) over the elements of each operation's output of the suite's small ViT (seed 0)
+# of its tolerance, in units of U = 2^-24 times the RMS of the operation's f32 reference. A
+# tolerance widened (or narrowed) by more than TOLERANCE_SLACK moves these; the kernel tests above
+# show each still holds for the real kernels. Exact operators (copies, casts, adds) stay 0.
+PINNED_TOLERANCES = {
+    "patchify": (0, 0), "patch_embed": (27810, 31540), "prepend_cls": (0, 0), "pos_embed": (0, 0),
+    "block0.ln1": (24.85, 110.8), "block0.qkv": (693.0, 1015), "block0.scores": (233.9, 409.3),
+    "block0.softmax": (33.1, 442.8), "cast_block0.softmax": (0, 0), "block0.context": (76.2, 145.0),
+    "block0.proj": (641.8, 1196), "block0.residual1": (0, 0), "block0.ln2": (24.28, 122.0),
+    "block0.fc1": (683.1, 1012), "block0.gelu": (7.016, 70.94), "block0.fc2": (1542, 2270),
+    "block0.residual2": (0, 0), "final_norm": (24.03, 110.1), "cls_slice": (0, 0), "head": (769.4, 935.7),
+}
+TOLERANCE_SLACK = 1.25
+
+
+def operation_tolerances(target_text: str, tmp_path) -> dict[str, tuple[str, float, float]]:
+    """``{operation: (type, median, max)}`` of each operation's tolerance (as ``check_operations``
+    asks for it: on the reference's inputs, before a folded cast), in units of U times the RMS of
+    its f32 reference."""
+    from ipubuild.compare import _unfused
+    from ipubuild.frontend import build_model
+    from ipubuild.ir import FP8
+    from ipubuild.plugins import get_plugin_manager
+    from ipubuild.targets import load_target
+    path = tmp_path / "t.toml"
+    path.write_text(target_text)
+    model = build_model(get_plugin_manager(), load_target(str(path)))
+    g, reg, values = model.graph, registry(), {**model.constants, **model.inputs}
+    out = {}
+    for op in g.ops:
+        operator = reg.get(op.type)
+        args = [values[v] for v in op.inputs]
+        folded = (op.attrs.get("to") in FP8 and g.values[op.outputs[0]].dtype in FP8
+                  and operator.fuses_cast(g, op, op.attrs["to"]))
+        plain = _unfused(op) if folded else op
+        pres = operator.reference(g, plain, args)
+        for vid, r in zip(op.outputs, operator.reference(g, op, args)):
+            values[vid] = np.asarray(r).reshape(g.values[vid].shape)
+        tol = np.asarray(operator.tolerance(g, plain, args, pres)[0], np.float64)
+        ref = np.abs(np.asarray(pres[0], np.float64))
+        unit = 2.0 ** -24 * (float(np.sqrt(np.mean(ref ** 2))) or 1.0)
+        out[op.name] = (op.type, float(np.median(tol)) / unit, float(tol.max()) / unit)
+    return out
+
+
+def test_every_operators_tolerance_is_pinned(tmp_path):
+    """Each operation's tolerance on the small ViT stays within TOLERANCE_SLACK of its pinned
+    figures — softmax, GELU, layer norm, every matmul-like operator and the exact ones — and
+    every built-in operator type is among them."""
+    from buildtree import SMALL
+
+    from ipubuild.builtin import operators as builtin
+    found = operation_tolerances(SMALL, tmp_path)
+    assert set(found) == set(PINNED_TOLERANCES), sorted(set(found) ^ set(PINNED_TOLERANCES))
+    builtin_types = {c.name for c in vars(builtin).values()
+                     if isinstance(c, type) and c.__module__ == builtin.__name__ and getattr(c, "name", "")}
+    assert builtin_types <= {t for t, _, _ in found.values()}, builtin_types - {t for t, _, _ in found.values()}
+    off = {}
+    for name, (typ, med, mx) in found.items():
+        want_med, want_max = PINNED_TOLERANCES[name]
+        for got, want in ((med, want_med), (mx, want_max)):
+            if want == 0 and got != 0 or want and not want / TOLERANCE_SLACK <= got <= want * TOLERANCE_SLACK:
+                off[name] = (typ, round(med, 4), round(mx, 4), "pinned", (want_med, want_max))
+    assert not off, off

@@ -18,6 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import ipubuild.build.analysis  # noqa: F401 - with ipubuild.build.build: every built-in phase registered before
+import ipubuild.build.build  # noqa: F401   _isolate_phases takes its snapshot of the registry
 from ipubuild.engine import canonical, engine, fingerprint
 from ipubuild.engine.engine import PHASES, Engine, config_subset, phase
 from ipubuild.errors import UserError
@@ -125,6 +127,22 @@ def test_config_subset_declared_key_misses_undeclared_hits(eng, key):
     r = eng.run(name, {"text": d}, cfg(4, "x"))                  # declared key changed
     assert not r.hit and CALLS[name] == 2
     assert eng.fetch(r.outputs["upper"]).endswith(json.dumps({key: 4}).encode())
+
+
+def test_a_phase_sees_only_the_configuration_it_declares(eng):
+    """What a phase reads must be in its key: the engine hands it only its declared leaves, so a
+    read of any other fails at once instead of giving a result the key does not cover."""
+    name = _name("reads")
+    seen = []
+
+    @phase(name, inputs=("text",), outputs=("out",), config=("search.rounds",))
+    def fn(ctx):
+        seen.append(ctx.config)
+        return {"out": json.dumps(ctx.config["numerics"]["compare"]).encode()}
+    d = eng.store.put(b"abc")
+    with pytest.raises(KeyError):
+        eng.run(name, {"text": d}, {"search": {"rounds": 1, "seed": 2}, "numerics": {"compare": "outputs"}})
+    assert seen == [{"search": {"rounds": 1}}]
 
 
 def test_config_subset_helper():
@@ -593,3 +611,108 @@ def test_doit_and_the_action_cache_share_one_signature(tmp_path, monkeypatch):
 def dataclasses_replace(obj, **kw):
     import dataclasses
     return dataclasses.replace(obj, **kw)
+
+
+# --- the action key and doit's signature over the real registry ---------------------------------------
+
+def _leaves(tree, prefix=""):
+    """``{dotted key: value}`` of every leaf of a nested configuration."""
+    out = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_leaves(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _with_leaf(config, key, value):
+    """A deep copy of ``config`` with the dotted ``key`` set to ``value`` (made if absent)."""
+    import copy
+    out = copy.deepcopy(config)
+    node = out
+    *parents, last = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    return out
+
+
+def _other(value):
+    """A value of a configuration leaf that differs from ``value``."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, (int, float)):
+        return value + 1
+    if isinstance(value, str):
+        return value + "_changed"
+    if isinstance(value, list):
+        return [*value, "changed"]
+    return "changed"
+
+
+def _declares(ph, key):
+    return any(key == d or key.startswith(d + ".") for d in ph.config)
+
+
+def test_every_declared_leaf_of_every_phase_moves_its_key_and_doit_signature(tmp_path, monkeypatch):
+    """For every step of a real target (the suite's small ViT, as ``doit`` analyses it: every
+    registered phase it runs) and every configuration leaf its phase declares, a changed value
+    changes both the action key and doit's up-to-date signature (``analysis.step_entry``); a
+    changed leaf the phase does not declare changes neither. (A key that leaves out a leaf —
+    ``[numerics] compare`` switched and ``map_values`` reused — fails here.)"""
+    from buildtree import SMALL, make_tree
+
+    from ipubuild import build as b
+    from ipubuild.analysis import _known_names, step_entry
+    from ipubuild.pipeline import Workspace
+    from ipubuild.targets import load_target
+    tree = make_tree(tmp_path / "tree", {"small": SMALL})
+    monkeypatch.chdir(tree)
+    ws = Workspace.at(tree)
+    target = load_target("targets/small.toml", known=_known_names(ws.plugins), root=tree)
+    compiler_cfg, _ = b.compiler_config()
+    steps = [b.machine_step(target["target"]["machine"], tree)] + b.target_steps(target, tree, compiler_cfg)
+    phases = {s.phase for s in steps}
+    # the steps cover the phases a build runs; those the search runs inside plan_package too
+    from ipubuild.search import EVALUATION
+    assert {"map_values", "check_numerics", "plan_package", "compile_kernels", "run_device"} <= phases, phases
+    inputs_of = {s.task_name: {slot: canonical.digest(slot.encode()) for slot in PHASES[s.phase].inputs}
+                 for s in steps}
+
+    def both(s, config):
+        from ipubuild.pipeline import Step
+        changed = Step(s.task, s.name, s.phase, s.inputs, s.outputs, s.sources, s.files, config, s.spans, s.doc)
+        return (step_entry(ws, changed, "cache")["signature"],
+                ws.engine.action_key(PHASES[s.phase], inputs_of[s.task_name], config))
+
+    declared_checked = undeclared_checked = 0
+    for s in steps:
+        ph = PHASES[s.phase]
+        base = both(s, s.config)
+        leaves = _leaves(s.config)
+        # every declared key, leaf by leaf (a declared table: each of its leaves; absent: made)
+        for d in ph.config:
+            under = {k: v for k, v in leaves.items() if k == d or k.startswith(d + ".")} or {d: None}
+            for key, value in under.items():
+                sig, key_ = both(s, _with_leaf(s.config, key, _other(value)))
+                assert sig != base[0], f"{s.task_name}: {key} does not move doit's signature"
+                assert key_ != base[1], f"{s.task_name}: {key} does not move the action key"
+                declared_checked += 1
+        for key, value in leaves.items():
+            if not _declares(ph, key):
+                assert both(s, _with_leaf(s.config, key, _other(value))) == base, \
+                    f"{s.task_name}: undeclared {key} moves its key"
+                undeclared_checked += 1
+        # an undeclared leaf that no target has
+        assert both(s, _with_leaf(s.config, "zz_unknown.leaf", 1)) == base, s.task_name
+    assert declared_checked > 30 and undeclared_checked > 100, (declared_checked, undeclared_checked)
+    # the phases the search evaluates run with the target's configuration too
+    for name in EVALUATION:
+        ph = PHASES[name]
+        cfg = steps[1].config
+        base = ws.engine.action_key(ph, {}, cfg)
+        for d in ph.config:
+            assert ws.engine.action_key(ph, {}, _with_leaf(cfg, d, _other(config_subset(cfg, [d])[d]))) != base, (name, d)
+    ws.store.close()

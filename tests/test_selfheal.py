@@ -4,6 +4,7 @@ naming the fix — never a traceback, never a request to delete ``.ipubuild`` by
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -138,6 +139,28 @@ def test_a_damaged_database_is_moved_aside(built, environ, reference, db):
     run = heals(built, environ, reference, says="moved a damaged")
     assert list(path.parent.glob(f"{path.name.split('/')[-1]}.corrupt-*")) or \
         list(path.parent.parent.glob(f"{path.parent.name}.corrupt-*")), run.tail()
+    if db != ".ipubuild/cache/actions/cache.db":
+        # healed from the action cache, not by a cold rebuild: every phase the build ran is a
+        # hit but those whose signature the gate edit moved (the README promises seconds)
+        assert_from_the_action_cache(run, changed={"numerics.min_cosine"}, at_least=10 if db == ".doit.db" else 1)
+
+
+def phase_runs(run) -> list[tuple[str, bool]]:
+    """(phase, served by the action cache) of every phase a build ran, from its log."""
+    return [(m.group(1), m.group(2) is not None) for m in re.finditer(
+        r'package build phase finished phase="(\w+)"[^\n]*?( cached=true)?$', run.output, re.M)]
+
+
+def assert_from_the_action_cache(run, changed: set[str], at_least: int) -> None:
+    """Every phase ``run`` executed came from the action cache, except those declaring one of the
+    configuration keys in ``changed``; and at least ``at_least`` did (the heal is not vacuous)."""
+    import ipubuild.build  # noqa: F401 - registers every built-in phase
+    import ipubuild.device  # noqa: F401
+    runs = phase_runs(run)
+    moved = {n for n, ph in PHASES.items() if any(k == d or k.startswith(d + ".") for k in changed for d in ph.config)}
+    cold = sorted({name for name, hit in runs if not hit} - moved)
+    assert not cold, f"phases rebuilt cold instead of from the action cache: {cold}\n{run.tail()}"
+    assert sum(hit for _, hit in runs) >= at_least, runs
 
 
 def test_a_damaged_row_of_the_doit_database_is_moved_aside(built, environ, reference):
