@@ -66,10 +66,14 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
     sources = {f"source/{slot}": tree_path(p, root) for slot, p in kernel_sources(registry()).items()}
     compile_cfg = dict(target, compiler=compiler_cfg,
                        kernel_quantum=machine_file["code"]["reservation_quantum"])
+    model_files = {}
+    if target["model"].get("family") == "onnx":     # the model file (and its data) as declared sources
+        from .onnx_import import declared_sources
+        model_files = declared_sources(target, root)
     return [
         step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params"),
                                                  "float_reference": a("float_reference")},
-             doc="build the model graph and place the FP8 casts"),
+             sources=model_files, doc="build the model graph and place the FP8 casts"),
         step("compile_kernels", "compile_kernels", {"graph": a("graph")},
              {"objects": a("kernel_objects"), "code_sizes": a("kernel_code_sizes"),
               "reservations": a("kernel_reservations"), "counted_objects": a("kernel_counted_objects")},
