@@ -18,7 +18,9 @@ from .pipeline import Step
 
 # importing registers the phases (the kernels package, imported above, registers compile_kernels)
 from . import compare, device, frontend, kernel_profile, package, reference, report, search  # noqa: F401
+from . import weights  # noqa: F401
 from .planning import phases  # noqa: F401
+from .onnxruntime_ref import onnxruntime_version
 
 
 def check_machine(target: dict) -> dict:
@@ -74,17 +76,20 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
         step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params"),
                                                  "float_reference": a("float_reference")},
              sources=model_files, doc="build the model graph and place the FP8 casts"),
-        step("compile_kernels", "compile_kernels", {"graph": a("graph")},
+        # planning reads the graph's structure, not its FP8 scales (ipubuild.weights)
+        step("strip_values", "strip_values", {"graph": a("graph")}, {"plan_graph": a("plan_graph")},
+             doc="the graph planning reads: shapes, dtypes and operators, no scales"),
+        step("compile_kernels", "compile_kernels", {"graph": a("plan_graph")},
              {"objects": a("kernel_objects"), "code_sizes": a("kernel_code_sizes"),
               "reservations": a("kernel_reservations"), "counted_objects": a("kernel_counted_objects")},
              sources={**sources, "counter": tree_path(COUNTER, root)}, config=compile_cfg,
              doc="compile the kernel variants the target uses, and their counted builds (each one a cached action)"),
         step("compile_runtime", "compile_runtime", {"machine": machine}, {"runtime": a("runtime")}),
-        step("plan_package", "plan_package", {"graph": a("graph"), "machine": machine, "runtime": a("runtime"),
+        step("plan_package", "plan_package", {"graph": a("plan_graph"), "machine": machine, "runtime": a("runtime"),
                                               "reservations": a("kernel_reservations")},
              {"layout": a("layout"), "search": a("search")}, doc="search the layout"),
         step("place_provisional_storage", "place_provisional_storage",
-             {"graph": a("graph"), "layout": a("layout"), "machine": machine,
+             {"graph": a("plan_graph"), "layout": a("layout"), "machine": machine,
               "reservations": a("kernel_reservations")},
              {"program": a("program"), "provisional_storage": a("provisional_storage")}, plan_spans),
         step("schedule_provisional_exchanges", "schedule_provisional_exchanges",
@@ -106,8 +111,10 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
         step("optimize_exchange_placement", "optimize_exchange_placement",
              {"exchange_tables": a("exchange_tables"), "program": a("program"), "machine": machine},
              {"placed_exchanges": a("placed_exchanges"), "cost": a("cost")}, plan_spans),
+        step("bind_values", "bind_values", {"graph": a("graph"), "layout": a("layout"), "program": a("program")},
+             {"program": a("bound_program")}, doc="put the model's FP8 scales into the planned program"),
         step("prepare_tile_code", "prepare_tile_code",
-             {"graph": a("graph"), "params": a("params"), "program": a("program"), "storage": a("storage"),
+             {"graph": a("graph"), "params": a("params"), "program": a("bound_program"), "storage": a("storage"),
               "placed_exchanges": a("placed_exchanges"), "link_map": a("link_map"), "code_sizes": a("code_sizes")},
              {"tile_program": a("tile_program"), "tile_data": a("tile_data"), "host_program": a("host_program")},
              plan_spans),
@@ -139,6 +146,11 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
                                                   "float_reference": a("float_reference"), "graph": a("graph"),
                                                   "params": a("params"), "profile": a("profile"), "cost": a("cost")},
              {"verdict": a("verdict")}, files={"verdict": out / f"{t}.verdict.json"}),
+        *([step("compare_onnxruntime", "compare_onnxruntime", {"device_run": a("device_run")},
+                {"onnxruntime": a("onnxruntime")}, sources=model_files, files={"onnxruntime": out / f"{t}.onnxruntime.json"},
+                config=dict(target, onnxruntime=onnxruntime_version()),
+                doc="compare the device's outputs with onnxruntime's on the same input (a report figure)")]
+          if model_files else []),
         step("report_profile", "report_profile",
              {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),
               "code_sizes": a("code_sizes"), "machine": machine, "search": a("search"),
