@@ -51,7 +51,8 @@ def _compare(ctx) -> dict:
     except ImportError as exc:
         return {"available": False, "why": f"onnxruntime does not import ({exc})"}
     data = ctx.engine.fetch(files[MODEL_SLOT])
-    model, batch = read_model(data, m["file"], m.get("batch") or None)
+    external = {slot[len(DATA_SLOT):]: ctx.engine.fetch(d) for slot, d in files.items() if slot.startswith(DATA_SLOT)}
+    model, batch = read_model(data, m["file"], m.get("batch") or None, external)
     array = None
     if m.get("input"):
         array = np.load(io.BytesIO(ctx.engine.fetch(files[INPUT_SLOT])), allow_pickle=False)
