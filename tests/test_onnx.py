@@ -203,6 +203,68 @@ def test_bound_program_equals_the_program_of_the_real_graph():
     assert bind(planned, g, layout, 16) == real
 
 
+def test_a_vit_exported_by_torch_imports_and_agrees_with_onnxruntime(tmp_path):
+    """torch.onnx.export (TorchScript exporter, opset 17, symbolic batch) of a ViT written as
+    timm writes it — Conv patch embedding, qkv reshape/permute/unbind, q·scale, softmax, nn.GELU
+    (Erf), LayerNorm, x[:, 0], Linear head: the node types of the issue's list (Shape, Gather,
+    ConstantOfShape, Equal, Where, Expand, …)."""
+    torch = pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    nn = torch.nn
+
+    class Attention(nn.Module):
+        def __init__(self, d, h):
+            super().__init__()
+            self.h, self.dh = h, d // h
+            self.scale = self.dh ** -0.5
+            self.qkv, self.proj, self.attn_drop = nn.Linear(d, 3 * d), nn.Linear(d, d), nn.Dropout(0.1)
+
+        def forward(self, x):
+            b, n, c = x.shape
+            q, k, v = self.qkv(x).reshape(b, n, 3, self.h, self.dh).permute(2, 0, 3, 1, 4).unbind(0)
+            a = self.attn_drop((q * self.scale @ k.transpose(-2, -1)).softmax(dim=-1))
+            return self.proj((a @ v).transpose(1, 2).reshape(b, n, c))
+
+    class Block(nn.Module):
+        def __init__(self, d, h, m):
+            super().__init__()
+            self.norm1, self.attn, self.norm2 = nn.LayerNorm(d, eps=1e-6), Attention(d, h), nn.LayerNorm(d, eps=1e-6)
+            self.mlp = nn.Sequential(nn.Linear(d, m), nn.GELU(), nn.Linear(m, d))
+
+        def forward(self, x):
+            x = x + self.attn(self.norm1(x))
+            return x + self.mlp(self.norm2(x))
+
+    class ViT(nn.Module):
+        def __init__(self, img=64, p=16, d=64, h=2, m=128, n=2, classes=10):
+            super().__init__()
+            self.patch_embed = nn.Conv2d(3, d, p, p)
+            self.cls_token = nn.Parameter(torch.randn(1, 1, d) * 0.02)
+            self.pos_embed = nn.Parameter(torch.randn(1, (img // p) ** 2 + 1, d) * 0.02)
+            self.blocks = nn.Sequential(*[Block(d, h, m) for _ in range(n)])
+            self.norm, self.head = nn.LayerNorm(d, eps=1e-6), nn.Linear(d, classes)
+
+        def forward(self, x):
+            x = self.patch_embed(x).flatten(2).transpose(1, 2)
+            x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+            return self.head(self.norm(self.blocks(x))[:, 0])
+
+    torch.manual_seed(0)
+    model = ViT().eval()
+    path = tmp_path / "vit.onnx"
+    with torch.no_grad():
+        torch.onnx.export(model, (torch.randn(1, 3, 64, 64),), str(path), opset_version=17, input_names=["image"],
+                          output_names=["logits"], dynamic_axes={"image": {0: "batch"}, "logits": {0: "batch"}},
+                          dynamo=False)
+    data = path.read_bytes()
+    m = _import(data, seed=2)
+    assert [op.type for op in m.graph.ops][:11] == ["patchify", "matmul", "concat_rows", "add", "layernorm", "matmul",
+                                                   "attention_scores", "softmax", "attention_context", "matmul", "add"]
+    x = np.random.default_rng(2).standard_normal((1, 3, 64, 64)).astype(np.float32)
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"image": x})[0]
+    np.testing.assert_allclose(_outputs(m)["logits"].reshape(want.shape), want, atol=2e-3)
+
+
 # whole builds -----------------------------------------------------------------------------------
 def _tree(tmp_path, targets=("vit_onnx",)) -> Path:
     tree = buildtree.make_tree(tmp_path / "tree", {t: (ROOT / "targets" / f"{t}.toml").read_text() for t in targets})
