@@ -203,6 +203,7 @@ def test_bound_program_equals_the_program_of_the_real_graph():
     assert bind(planned, g, layout, 16) == real
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")      # torch: the TorchScript exporter is legacy
 def test_a_vit_exported_by_torch_imports_and_agrees_with_onnxruntime(tmp_path):
     """torch.onnx.export (TorchScript exporter, opset 17, symbolic batch) of a ViT written as
     timm writes it — Conv patch embedding, qkv reshape/permute/unbind, q·scale, softmax, nn.GELU
