@@ -96,14 +96,15 @@ def build_model(pm, target: dict) -> Model:
     return model
 
 
-@phase("lower_model", outputs=("graph", "params", "float_reference"),
+@phase("lower_model", inputs=("model/*",), outputs=("graph", "params", "float_reference"),
        config=("name", "path", "target.seed", "model", "casts"),
        hooks=("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies",
               "ipubuild_graph_passes", "ipubuild_onnx_converters"))
 def lower_model(ctx):
     """The target's model as the FP8 graph the compiler plans, with its constants and inputs,
     and the outputs of the float32 model before casts (after the float stage's graph passes:
-    the quantisation error is measured against them)."""
+    the quantisation error is measured against them). ``model/*``: the files a family reads
+    (the ONNX family's model, data and input files), declared as the step's sources."""
     from .plugins import get_plugin_manager
     _sources.update({f"model/{k}": (lambda d=d: ctx.engine.fetch(d)) for k, d in ctx.family("model").items()})
     try:
