@@ -89,6 +89,26 @@ def ipubuild_graph_passes():
 
 
 @hookspec
+def ipubuild_onnx_converters():
+    """Declare ONNX converters: how the ``onnx`` model family imports an ONNX node type.
+
+    Return ``{op_type: converter}`` (the default ONNX domain) or ``{(domain, op_type):
+    converter}``. ``converter(ctx, node)`` is called for every node of that type, in the model's
+    order, after constant folding; ``node`` (:class:`ipubuild.graph.onnx_import.Node`) has ``name``,
+    ``op_type``, ``domain``, ``inputs``, ``outputs`` (tensor names), ``attrs`` (decoded: ints,
+    floats, strings, lists, numpy arrays) and ``opset``. ``ctx``
+    (:class:`ipubuild.graph.onnx_import.Converter`) gives ``ctx.value(name)`` (the ipubuild value id of
+    an input tensor), ``ctx.constant(name)`` (a constant input as a numpy array, else None),
+    ``ctx.shape(name)`` (its ONNX shape), ``ctx.add(type, inputs, **attrs)`` (append an ipubuild
+    operation named after the node; returns its output's id) and ``ctx.add_constant(array,
+    name)``. Return a list with the ipubuild value id of each node output (whose row-major data is
+    that ONNX tensor). Raise ``ValueError`` with a message for a node you cannot convert (reported
+    naming the node). Called by the ``lower_model`` phase, whose action key holds every
+    implementer. All results are merged; an op type declared twice is an error naming both.
+    """
+
+
+@hookspec
 def ipubuild_targets():
     """Ship build targets.
 

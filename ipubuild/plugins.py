@@ -22,7 +22,7 @@ from .engine.fingerprint import code_fingerprint
 
 BUILTIN_MODULES = ("ipubuild.builtin.operators", "ipubuild.builtin.vit", "ipubuild.builtin.casts",
                    "ipubuild.builtin.passes", "ipubuild.builtin.heuristics", "ipubuild.builtin.simulator",
-                   "ipubuild.builtin.httpcache")
+                   "ipubuild.builtin.httpcache", "ipubuild.builtin.onnx")
 
 
 class PluginManager(pluggy.PluginManager):

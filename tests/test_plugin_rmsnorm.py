@@ -97,7 +97,7 @@ def test_build_vit_rms_without_the_plugin_is_a_one_line_error(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in out
     (line,) = _error_lines(out)
-    assert "model.family" in line and "'vit_rms'" in line and "known: vit" in line, line
+    assert "model.family" in line and "'vit_rms'" in line and "known: onnx, vit" in line, line
 
 
 BROKEN = '''\

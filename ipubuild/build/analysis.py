@@ -61,6 +61,8 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
                 watched += cc_files
                 provisional = not cc_files
             steps = b.target_steps(target, root, compiler_cfg)
+            # a model file's external data files are found here: re-derive when it changes
+            watched += [str(root / p) for st in steps if st.phase == "lower_model" for p in st.sources.values()]
         except UserError as exc:
             # a target whose model family or graph pass no installed plugin provides is skipped
             # by bare `doit`

@@ -16,7 +16,9 @@ from ..compiler.machine import MACHINES, load_machine
 from ..graph.operators import registry
 from .pipeline import Step
 
+from ..engine.files import tree_path
 from ..engine.registry import load_phases
+from ..device.onnxruntime_ref import onnxruntime_version
 
 load_phases()   # the steps below name phases of every layer: have them all registered
 
@@ -39,15 +41,6 @@ def compiler_config(memo=None) -> tuple[dict, list[str]]:
     return {"cc": cc, "cflags": cflags, "identity": identity}, files
 
 
-def tree_path(path, root: Path) -> Path:
-    """``path`` relative to ``root`` when it lies inside it, else absolute."""
-    path = Path(path).resolve()
-    try:
-        return path.relative_to(root)
-    except ValueError:
-        return path
-
-
 def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
     """The steps that build, run and check one target (``target["path"]`` relative to ``root``)."""
     t = target["name"]
@@ -66,21 +59,28 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
     sources = {f"source/{slot}": tree_path(p, root) for slot, p in kernel_sources(registry()).items()}
     compile_cfg = dict(target, compiler=compiler_cfg,
                        kernel_quantum=machine_file["code"]["reservation_quantum"])
+    model_files = {}
+    if target["model"].get("family") == "onnx":     # the model file (and its data) as declared sources
+        from ..graph.onnx_import import declared_sources
+        model_files = declared_sources(target, root)
     return [
         step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params"),
                                                  "float_reference": a("float_reference")},
-             doc="build the model graph and place the FP8 casts"),
-        step("compile_kernels", "compile_kernels", {"graph": a("graph")},
+             sources=model_files, doc="build the model graph and place the FP8 casts"),
+        # planning reads the graph's structure, not its FP8 scales (ipubuild.compiler.weights)
+        step("strip_values", "strip_values", {"graph": a("graph")}, {"plan_graph": a("plan_graph")},
+             doc="the graph planning reads: shapes, dtypes and operators, no scales"),
+        step("compile_kernels", "compile_kernels", {"graph": a("plan_graph")},
              {"objects": a("kernel_objects"), "code_sizes": a("kernel_code_sizes"),
               "reservations": a("kernel_reservations"), "counted_objects": a("kernel_counted_objects")},
              sources={**sources, "counter": tree_path(COUNTER, root)}, config=compile_cfg,
              doc="compile the kernel variants the target uses, and their counted builds (each one a cached action)"),
         step("compile_runtime", "compile_runtime", {"machine": machine}, {"runtime": a("runtime")}),
-        step("plan_package", "plan_package", {"graph": a("graph"), "machine": machine, "runtime": a("runtime"),
+        step("plan_package", "plan_package", {"graph": a("plan_graph"), "machine": machine, "runtime": a("runtime"),
                                               "reservations": a("kernel_reservations")},
              {"layout": a("layout"), "search": a("search")}, doc="search the layout"),
         step("place_provisional_storage", "place_provisional_storage",
-             {"graph": a("graph"), "layout": a("layout"), "machine": machine,
+             {"graph": a("plan_graph"), "layout": a("layout"), "machine": machine,
               "reservations": a("kernel_reservations")},
              {"program": a("program"), "provisional_storage": a("provisional_storage")}, plan_spans),
         step("schedule_provisional_exchanges", "schedule_provisional_exchanges",
@@ -102,8 +102,10 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
         step("optimize_exchange_placement", "optimize_exchange_placement",
              {"exchange_tables": a("exchange_tables"), "program": a("program"), "machine": machine},
              {"placed_exchanges": a("placed_exchanges"), "cost": a("cost")}, plan_spans),
+        step("bind_values", "bind_values", {"graph": a("graph"), "layout": a("layout"), "program": a("program")},
+             {"program": a("bound_program")}, doc="put the model's FP8 scales into the planned program"),
         step("prepare_tile_code", "prepare_tile_code",
-             {"graph": a("graph"), "params": a("params"), "program": a("program"), "storage": a("storage"),
+             {"graph": a("graph"), "params": a("params"), "program": a("bound_program"), "storage": a("storage"),
               "placed_exchanges": a("placed_exchanges"), "link_map": a("link_map"), "code_sizes": a("code_sizes")},
              {"tile_program": a("tile_program"), "tile_data": a("tile_data"), "host_program": a("host_program")},
              plan_spans),
@@ -135,6 +137,11 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
                                                   "float_reference": a("float_reference"), "graph": a("graph"),
                                                   "params": a("params"), "profile": a("profile"), "cost": a("cost")},
              {"verdict": a("verdict")}, files={"verdict": out / f"{t}.verdict.json"}),
+        *([step("compare_onnxruntime", "compare_onnxruntime", {"device_run": a("device_run")},
+                {"onnxruntime": a("onnxruntime")}, sources=model_files, files={"onnxruntime": out / f"{t}.onnxruntime.json"},
+                config=dict(target, onnxruntime=onnxruntime_version()),
+                doc="compare the device's outputs with onnxruntime's on the same input (a report figure)")]
+          if model_files else []),
         step("report_profile", "report_profile",
              {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),
               "code_sizes": a("code_sizes"), "machine": machine, "search": a("search"),

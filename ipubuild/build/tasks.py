@@ -339,6 +339,7 @@ class Finish:
             f"profile={entry['profile_file']} tiles={verdict['tiles']} samples={verdict['samples']}\n"
             f"float32MinimumCosineSimilarity={verdict['float32']['min_cosine']} "
             f"float32MaximumAbsoluteError={verdict['float32']['max_abs_error']}\n"
+            f"{_onnxruntime_line(root, entry)}"
             f"referenceMinimumCosineSimilarity={verdict['min_cosine']}\n"
             f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}\n"
             f"package={entry['package_file']} tiles={verdict['tiles']} "
@@ -352,6 +353,18 @@ class Finish:
             failure = TaskFailed(failure_line(verdict, entry["path"], entry["device"]))
         self.outcome = (failure,)
         return failure
+
+
+def _onnxruntime_line(root: Path, entry: dict) -> str:
+    """The ONNX target's onnxruntime figures (a line), or nothing for other targets."""
+    path = next((p for a, p in entry["files"] if a.endswith("/onnxruntime")), None)
+    if path is None:
+        return ""
+    from ..device.onnxruntime_ref import closing_line
+    try:
+        return closing_line(json.loads((root / path).read_bytes())) + "\n"
+    except (OSError, ValueError):
+        return "onnxruntime: no comparison: its report is unreadable\n"
 
 
 def _read_ref(root: Path, artifact: str) -> str | None:

@@ -169,3 +169,12 @@ def tree_memo(root) -> StatMemo:
 def settled(key: list[int]) -> bool:
     import time
     return time.time_ns() - max(key[1], key[2]) > 1_000_000_000
+
+
+def tree_path(path, root: Path) -> Path:
+    """``path`` relative to ``root`` when it lies inside it, else absolute."""
+    path = Path(path).resolve()
+    try:
+        return path.relative_to(root)
+    except ValueError:
+        return path

@@ -26,6 +26,8 @@ PHASE_MODULES = (
     "ipubuild.ui.report",
     "ipubuild.compiler.search",
     "ipubuild.compiler.planning.phases",
+    "ipubuild.compiler.weights",          # strip_values, bind_values
+    "ipubuild.device.onnxruntime_ref",    # compare_onnxruntime
 )
 SHARED_TIER = "ipubuild.remote"           # the store's remote cache tier
 CLUSTER = "ipubuild.remote.cluster"       # where executors send work (imports distributed)

@@ -24,6 +24,13 @@ class Model:
 
 
 _float_model: list = []     # (graph, constants, inputs, values) of the build_model under way
+_sources: dict = {}         # slot -> bytes loader: the declared source files of the lower_model under way
+
+
+def model_sources() -> dict:
+    """The files the running ``lower_model`` declared (``{slot: () -> bytes}``, e.g.
+    ``model/file``): how a family that reads files (the ONNX one) gets their verified bytes."""
+    return dict(_sources)
 
 
 def float_values(graph: Graph, constants: dict, inputs: dict) -> dict[int, np.ndarray]:
@@ -89,16 +96,21 @@ def build_model(pm, target: dict) -> Model:
     return model
 
 
-@phase("lower_model", outputs=("graph", "params", "float_reference"),
+@phase("lower_model", inputs=("model/*",), outputs=("graph", "params", "float_reference"),
        config=("name", "path", "target.seed", "model", "casts"),
        hooks=("ipubuild_operators", "ipubuild_build_model", "ipubuild_model_families", "ipubuild_cast_policies",
-              "ipubuild_graph_passes"))
+              "ipubuild_graph_passes", "ipubuild_onnx_converters"))
 def lower_model(ctx):
     """The target's model as the FP8 graph the compiler plans, with its constants and inputs,
     and the outputs of the float32 model before casts (after the float stage's graph passes:
-    the quantisation error is measured against them)."""
+    the quantisation error is measured against them). ``model/*``: the files a family reads
+    (the ONNX family's model, data and input files), declared as the step's sources."""
     from ..plugins import get_plugin_manager
-    model = build_model(get_plugin_manager(), ctx.config)
+    _sources.update({f"model/{k}": (lambda d=d: ctx.engine.fetch(d)) for k, d in ctx.family("model").items()})
+    try:
+        model = build_model(get_plugin_manager(), ctx.config)
+    finally:
+        _sources.clear()
     arrays = {f"v{k}": v for k, v in {**model.constants, **model.inputs}.items()}
     g = model.graph
     return {"graph": g.to_bytes(), "params": tensors.pack(arrays),

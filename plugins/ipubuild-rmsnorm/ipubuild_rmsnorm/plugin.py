@@ -1,5 +1,6 @@
 """The hooks of the ipubuild-rmsnorm plugin: the ``rmsnorm`` operator and its C kernel, the
-``layernorm_to_rmsnorm`` graph pass, the ``vit_rms`` model family (a ViT with RMSNorm in place
+``layernorm_to_rmsnorm`` graph pass, an ONNX converter (``SimplifiedLayerNormalization``), the
+``vit_rms`` model family (a ViT with RMSNorm in place
 of LayerNorm), the ``rmsnorm_follow`` layout-search heuristic and the ``vit_rms_small`` target.
 The ``ipubuild`` entry point names this module."""
 from __future__ import annotations
@@ -104,6 +105,25 @@ def ipubuild_graph_passes():
 
 
 # the model family ------------------------------------------------------------------------------
+# the ONNX converter: an exported RMSNorm (onnxruntime's SimplifiedLayerNormalization) ------------
+def simplified_layer_normalization(ctx, node):
+    """``SimplifiedLayerNormalization(X, scale)`` over the last axis (what exporters emit for an
+    RMSNorm; onnxruntime runs it) as this plugin's ``rmsnorm`` operator."""
+    x, scale = ctx.value(node.inputs[0]), ctx.constant(node.inputs[1])
+    shape = ctx.shape(node.inputs[0])
+    if node.attrs.get("axis", -1) % len(shape) != len(shape) - 1:
+        raise ValueError("only a normalisation over the last axis has an rmsnorm operator")
+    if scale is None or scale.size != shape[-1]:
+        raise ValueError(f"needs a constant scale of {shape[-1]} elements")
+    gamma = ctx.add_constant(scale.reshape(-1), node.inputs[1])
+    return [ctx.add("rmsnorm", [x, gamma], eps=float(node.attrs.get("epsilon", 1e-5)))]
+
+
+@hookimpl
+def ipubuild_onnx_converters():
+    return {"SimplifiedLayerNormalization": simplified_layer_normalization}
+
+
 @hookimpl
 def ipubuild_model_families():
     return ["vit_rms"]

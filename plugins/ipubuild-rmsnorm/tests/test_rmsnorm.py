@@ -197,3 +197,35 @@ def test_the_shipped_target_builds_and_the_heuristic_counts_are_in_the_round_log
     assert screened and all('rmsnorm_follow="proposed=' in ln for ln in screened + counted), log[-3000:]
     assert "ran graph pass name=layernorm_to_rmsnorm stage=float" in log
     assert "ipubuild_rmsnorm: proposed rmsnorm moves" in log
+
+
+# the ONNX converter --------------------------------------------------------------------------------
+def test_onnx_simplified_layer_normalization_imports_as_rmsnorm():
+    """An ONNX model with onnxruntime's SimplifiedLayerNormalization (what exporters write for an
+    RMSNorm) imports through this plugin's converter; the graph computes what onnxruntime does."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ipubuild.graph.onnx_import import import_model
+    from ipubuild.plugins import get_plugin_manager
+    from ipubuild.reference import evaluate
+    rng = np.random.default_rng(3)
+    scale = (1 + 0.1 * rng.standard_normal(16)).astype(np.float32)
+    node = helper.make_node("SimplifiedLayerNormalization", ["x", "scale"], ["y"], name="/norm/rms",
+                            axis=-1, epsilon=1e-6)
+    graph = helper.make_graph([node], "rms", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16])],
+                              [numpy_helper.from_array(scale, "scale")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    data = model.SerializeToString()
+    m = import_model(get_plugin_manager(), data, {}, "models/rms.onnx", batch=None, seed=5)
+    assert [(op.type, op.name, op.attrs) for op in m.graph.ops] == [("rmsnorm", "/norm/rms", {"eps": float(np.float32(1e-6))})]
+    (x,) = m.inputs.values()
+    got = evaluate(m.graph, m.constants, m.inputs)[m.graph.outputs[0]]
+    np.testing.assert_allclose(got, _independent(x, scale, 1e-6), rtol=1e-5, atol=1e-6)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    want = ort.InferenceSession(data, providers=["CPUExecutionProvider"]).run(None, {"x": x.reshape(1, 8, 16)})[0]
+    np.testing.assert_allclose(got, want.reshape(got.shape), rtol=1e-5, atol=1e-5)
