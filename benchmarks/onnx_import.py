@@ -1,5 +1,5 @@
 """How long importing an ONNX model takes: a ViT-B/16-sized file (224 px, patch 16, width 768,
-12 blocks, 86 M parameters, ~346 MB, written by ``ipubuild.graph.onnx_vit`` in timm's exported form)
+12 blocks, 86 M parameters, ~346 MB, written by ``ipubuild.builtin.onnx_vit`` in timm's exported form)
 read, checked, shape-inferred, folded and converted to ipubuild's graph — ``import_model``, what
 ``lower_model`` does before the cast policy. The goal is ≤ 5 s on the 2-core machine. Also
 hashing the file once (what doit's content check costs when the file changed). Writes JSON
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     import onnx
 
     from ipubuild.graph.onnx_import import import_model
-    from ipubuild.graph.onnx_vit import vit_onnx
+    from ipubuild.builtin.onnx_vit import vit_onnx
     from ipubuild.plugins import get_plugin_manager
     with tempfile.TemporaryDirectory() as tmp:
         if a.small:

@@ -41,7 +41,7 @@ def test_the_importer_gives_the_built_in_vit_on_the_same_weights():
     """timm's exported form (Conv, shape arithmetic, LayerNormalization, Split heads, Erf-GELU,
     Gather, Gemm) becomes the built-in ViT's graph: the same operators, bit-identical outputs."""
     from ipubuild.builtin.vit import build_vit
-    from ipubuild.graph.onnx_vit import vit_onnx, vit_weights
+    from ipubuild.builtin.onnx_vit import vit_onnx, vit_weights
     _, image = vit_weights(SMALL, 4)
     m = _import(vit_onnx(SMALL, 4), input_array=image)
     b = build_vit(SMALL, 4)
@@ -57,7 +57,7 @@ def test_the_importer_agrees_with_onnx_s_reference_evaluator():
     form of GELU differs by (ipubuild's gelu kernel is the tanh form)."""
     from onnx.reference import ReferenceEvaluator
 
-    from ipubuild.graph.onnx_vit import vit_onnx
+    from ipubuild.builtin.onnx_vit import vit_onnx
     model = vit_onnx(SMALL, 1)
     m = _import(model, seed=7)
     x = np.random.default_rng(7).standard_normal((1, 3, 32, 32)).astype(np.float32)
@@ -68,7 +68,7 @@ def test_the_importer_agrees_with_onnx_s_reference_evaluator():
 
 
 def test_the_shipped_model_is_what_its_script_generates():
-    from ipubuild.graph.onnx_vit import PARAMS, vit_onnx
+    from ipubuild.builtin.onnx_vit import PARAMS, vit_onnx
     assert (ROOT / "targets" / "models" / "vit_onnx.onnx").read_bytes() == vit_onnx(PARAMS, 0).SerializeToString()
 
 
@@ -132,7 +132,7 @@ def test_decomposed_layer_norm_tanh_gelu_slice_and_gemm():
 
 
 def test_external_data_is_read_from_its_file(tmp_path):
-    from ipubuild.graph.onnx_vit import vit_onnx
+    from ipubuild.builtin.onnx_vit import vit_onnx
     model = vit_onnx(SMALL, 2)
     embedded = _outputs(_import(model, seed=1))
     onnx.save_model(model, tmp_path / "vit.onnx", save_as_external_data=True, location="vit.weights",
@@ -175,7 +175,7 @@ def test_a_form_ipubuild_has_no_operator_for_names_the_node():
 
 
 def test_the_batch_comes_from_the_model_or_the_target():
-    from ipubuild.graph.onnx_vit import vit_onnx
+    from ipubuild.builtin.onnx_vit import vit_onnx
     model = vit_onnx(SMALL, 0)          # a symbolic batch: model.batch = 1 by default
     assert _import(model).graph.values[0].shape == (32, 96)
     with pytest.raises(UserError, match="the batch is 2: ipubuild's operators take one image at a time"):

@@ -8,7 +8,7 @@ seed (``ipubuild.builtin.vit.build_vit``), so the two front ends can be compared
 Deterministic: the same parameters give the same bytes. The shipped model
 (``targets/models/vit_onnx.onnx``) is::
 
-    python -m ipubuild.graph.onnx_vit targets/models/vit_onnx.onnx --image-size 96 --width 128 \\
+    python -m ipubuild.builtin.onnx_vit targets/models/vit_onnx.onnx --image-size 96 --width 128 \\
         --heads 4 --mlp 384 --blocks 2 --classes 10 --seed 0
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ PARAMS = {"image_size": 96, "channels": 3, "patch": 16, "width": 128, "heads": 4
 
 def vit_weights(p: dict, seed: int) -> tuple[dict, np.ndarray]:
     """The built-in ViT's weights by name, and its image as NCHW ``[1, C, S, S]``."""
-    from ..builtin.vit import build_vit
+    from .vit import build_vit
     m = build_vit(p, seed)
     w = {m.graph.values[v].name: a for v, a in m.constants.items()}
     (img,) = m.inputs.values()
@@ -128,13 +128,13 @@ def vit_onnx(p: dict | None = None, seed: int = 0, opset: int = 17):
         [helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", (s // pt) ** 2 + 1, d]),
          helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", p["classes"]])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
-                              producer_name="ipubuild.graph.onnx_vit", ir_version=8)
+                              producer_name="ipubuild.builtin.onnx_vit", ir_version=8)
     onnx.checker.check_model(model)
     return model
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ipubuild.graph.onnx_vit", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m ipubuild.builtin.onnx_vit", description=__doc__.split("\n\n")[0])
     ap.add_argument("output")
     for k, v in PARAMS.items():
         ap.add_argument("--" + k.replace("_", "-"), type=int, default=v)
