@@ -62,7 +62,7 @@ class ContentChecker(FileChangedChecker):
             # changed while its task ran: record what the phase read, so the next build rebuilds it
             if dep not in _changed:
                 _changed.add(dep)
-                from .log import log
+                from ..engine.log import log
                 log.warning(f"{dep} changed during the build; the next build rebuilds it")
             return [None] * 4 + [read[1]]
         if isinstance(current_state, list) and current_state[:4] == key:

@@ -405,7 +405,7 @@ def load_target(path, *, max_tiles: int = DEFAULT_MAX_TILES,
         table = data.get(section, {})
         resolved[section] = check_table(table, fields, where, section, allow_unknown=(section == "model"))
     if resolved["search"].pop("seconds"):     # no effect, so not in any action key either
-        from .log import log
+        from ..engine.log import log
         log.info("ignored [search] seconds: the search's budget is rounds and evaluations, never wall time",
                  path=where)
 

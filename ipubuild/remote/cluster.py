@@ -540,15 +540,13 @@ def _candidate_setup(payload: dict):
 
 def _prepare(payload: dict) -> None:
     """On a worker, before a search: load the code, plugins and fingerprints candidates need and
-    the graph's plans (``Lowerings``, kept per process), so that the first candidate is not slow."""
+    the graph's plans (``PlanResolver.of``, kept per process), so that the first candidate is not slow."""
     engine, base, mismatch = _candidate_setup(payload)
     if mismatch is None:
         from ..graph.ir import Graph
-        from ..compiler.planning.program import Lowerings
+        from ..compiler.planning.program import PlanResolver
         graph = Graph.from_json(engine.decoded(base["graph"]))
-        lowerings = Lowerings.of(graph, payload["config"]["target"]["tile_count"])
-        for op in graph.ops:
-            lowerings.plans_of(op)
+        PlanResolver.of(graph, payload["config"]["target"]["tile_count"])   # computes every op's plans
 
 
 def _evaluate(payload: dict) -> dict:
@@ -568,7 +566,7 @@ def _evaluate(payload: dict) -> dict:
 def _chain(engine, base: dict, layout: dict, config: dict, outputs_of=None) -> list:
     """A candidate's evaluation as ``[(phase, action key, outputs)]``, walked as ``search.evaluate``
     walks it: the outputs by ``outputs_of(phase, key)`` (default: this engine's action records)."""
-    from .search import EVALUATION
+    from ..compiler.search import EVALUATION
     artifacts = dict(base, layout=canonical.digest(canonical.encode(layout)))
     chain = []
     for name in EVALUATION:
@@ -602,7 +600,7 @@ def _candidate_verified(engine, base: dict, config: dict, layout: dict, value: d
     if not isinstance(result, dict) or "invalid" in result or not isinstance(chain, list) \
             or not isinstance(blobs, dict):
         return False
-    from .search import EVALUATION
+    from ..compiler.search import EVALUATION
     theirs = {}
     for step in chain:
         if not (isinstance(step, (list, tuple)) and len(step) == 3 and isinstance(step[2], dict)):
