@@ -137,7 +137,16 @@ def schedule(transfers: list[list], machine: dict, paired: bool) -> tuple[int, l
     Two orders are tried and the shorter kept: largest first, and earliest start first (ties:
     the transfer on the busiest port, then the longest). Ties are broken by content, so any
     order of the same transfers gives the same horizon. Paired schedules pool a supertile's
-    two ports at twice the bandwidth but pay a setup per transfer. Returns (horizon, order)."""
+    two ports at twice the bandwidth but pay a setup per transfer. Returns (horizon, order).
+    The loops run in C over arrays (``exchange_native``) where a C compiler is at hand; the
+    Python loops below are the reference they are tested against."""
+    from . import exchange_native
+    found = exchange_native.schedule(transfers, machine, paired)
+    return found if found is not None else schedule_python(transfers, machine, paired)
+
+
+def schedule_python(transfers: list[list], machine: dict, paired: bool) -> tuple[int, list[int]]:
+    """``schedule`` in Python, per transfer."""
     info = [_ports_and_duration(t, machine, paired) for t in transfers]
     rank = sorted(range(len(transfers)), key=lambda i: (transfers[i], i))
     tie = [0] * len(transfers)
