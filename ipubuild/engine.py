@@ -63,7 +63,7 @@ def toolchain() -> dict:
     import platform
     from importlib.metadata import PackageNotFoundError, version
     out = {"python": platform.python_version(), "implementation": platform.python_implementation()}
-    for dist in ("numpy", "ml-dtypes", "pluggy"):
+    for dist in ("numpy", "ml-dtypes", "pluggy", "orjson"):
         try:
             out[dist] = version(dist)
         except PackageNotFoundError:
@@ -264,7 +264,7 @@ class Engine:
                 self._decoded.move_to_end(digest)
                 return self._decoded[digest][0]
         data = self.fetch(digest)
-        value = canonical.loads(data)
+        value = _loads(data)
         self._remember(digest, value, len(data))
         return value
 
@@ -278,6 +278,16 @@ class Engine:
             self._decoded.move_to_end(digest)
             while self._decoded_bytes > self.DECODED_BYTES and len(self._decoded) > 1:
                 self._decoded_bytes -= self._decoded.popitem(last=False)[1][1]
+
+
+def _loads(data: bytes):
+    """JSON bytes decoded (orjson, several times faster than ``json`` on planning artifacts;
+    ``json`` for what orjson refuses, such as integers beyond 64 bits)."""
+    import orjson
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return canonical.loads(data)
 
 
 _gc_depth = [0]

@@ -165,11 +165,32 @@ def schedule_python(transfers: list[list], machine: dict, paired: bool) -> tuple
     return min(first, (_replay(info, earliest), earliest))
 
 
+def grouped(transfers: list[list], keep: bool = False) -> tuple[list, list, list]:
+    """``(coalesce(transfers), its ordinary broadcasts, its paired broadcasts)``. ``keep``: also
+    remember them for the next ``grouped`` of the same list object in this process (the
+    provisional code size and the phase's schedule both need them; ``forget_grouped`` drops
+    what is left). Readers must not modify them."""
+    found = _grouped.pop(id(transfers), None)
+    if found is not None and found[0] is transfers:
+        return found[1]
+    merged = coalesce(transfers)
+    out = (merged, broadcasts(merged, paired=False), broadcasts(merged, paired=True))
+    if keep:
+        _grouped[id(transfers)] = (transfers, out)
+    return out
+
+
+def forget_grouped() -> None:
+    _grouped.clear()
+
+
+_grouped: dict = {}
+
+
 def schedule_phase(transfers: list[list], machine: dict) -> dict:
     """Compare ordinary and paired schedules of one exchange phase (each with its own
     broadcasts) and keep the shorter."""
-    merged = coalesce(transfers)
-    plain, pairs = broadcasts(merged, paired=False), broadcasts(merged, paired=True)
+    merged, plain, pairs = grouped(transfers)
     ordinary, order_o = schedule(plain, machine, paired=False)
     paired, order_p = schedule(pairs, machine, paired=True)
     use_paired = paired < ordinary
