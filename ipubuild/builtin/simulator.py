@@ -39,7 +39,7 @@ from ..device import DeviceRun, device_ownership
 from ..errors import UserError
 from ..log import log
 from ..operators import registry
-from ..package import Package
+from ..package import validated
 from ..planning import codegen, exchange
 from ..planning.storage import tile_ranges
 
@@ -60,7 +60,7 @@ class Simulator:
         lanes = threads()
         with _without_gc():
             log.info("reading application package")
-            pkg = Package(package, "package")
+            pkg = validated(package, "package")
             m = pkg.manifest
             machine = m["machine"]
             log.info("application package read", tiles=m["tiles"], compiler=pkg.compiler)
