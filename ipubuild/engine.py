@@ -268,9 +268,14 @@ class Engine:
         self._remember(digest, value, len(data))
         return value
 
-    DECODED_BYTES = 1 << 30      # decoded values kept, by the size of their JSON
+    # decoded values kept, by their Python heap: HEAP_PER_JSON_BYTE x their JSON's size (measured
+    # 6.2-7.4 on planning artifacts), 2 GiB of it: a ViT-B/16 candidate's values (1.4 GB) and not
+    # several candidates' in a search worker
+    DECODED_BYTES = 2 << 30
+    HEAP_PER_JSON_BYTE = 8
 
     def _remember(self, digest: str, value, size: int) -> None:
+        size *= self.HEAP_PER_JSON_BYTE
         with self._lock:
             if digest not in self._decoded:
                 self._decoded_bytes += size
