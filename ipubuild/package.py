@@ -343,6 +343,7 @@ class Package:
         used = self._check_tiles(m)
         host = self._check_host(m)
         self.images = {}
+        self.decoded: dict[str, tuple] = {}     # image digest -> (decoded program, exchange table)
         for digest in sorted(set(m["tile_images"])):
             self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
                                               host["run"]["phases"])
@@ -436,8 +437,8 @@ class Package:
             if kinds.count("program") != 1 or kinds.count("exchange") != 1:
                 self._fail(f"{what} is loaded on a tile but lacks its program or exchange table")
             kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
-            self._check_program(what, arrays["program"], kernels, phases)
-            self._check_exchange(m, what, arrays["exchange"], used, phases)
+            self.decoded[digest] = (self._check_program(what, arrays["program"], kernels, phases),
+                                    self._check_exchange(m, what, arrays["exchange"], used, phases))
         return header, arrays
 
     def _check_segments(self, m: dict, what: str, segments: list, arrays: dict) -> None:
@@ -473,7 +474,8 @@ class Package:
         if set(arrays) != blobs:
             self._fail(f"{what} has arrays no segment places: {', '.join(sorted(set(arrays) - blobs))}")
 
-    def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> None:
+    def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> tuple:
+        """The program, decoded (``codegen.decode_program``), once checked."""
         try:
             names, steps = codegen.decode_program(raw)
             exact = codegen.encode_program(names, steps) == raw
@@ -491,8 +493,10 @@ class Package:
             prev = step
             if any(k >= len(names) for k, _ in verts):
                 self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
+        return names, steps
 
-    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int) -> None:
+    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int) -> list:
+        """The exchange table, decoded (``codegen.decode_exchange``), once checked."""
         try:
             table = codegen.decode_exchange(raw)
             exact = codegen.encode_exchange(table) == raw
@@ -509,6 +513,7 @@ class Package:
                                      for t, a, st in ends):
                 self._fail(f"entry {i} {e[:9]} of the exchange table of {what} is past the run phases, a "
                            "loaded tile or tile memory")
+        return table
 
     def _check_bindings(self, m: dict, side: str, used: set) -> None:
         mc = m["machine"]
