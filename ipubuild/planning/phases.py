@@ -62,14 +62,28 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
             sizes.append(size)
         for tile in set(sizes[0]) | set(sizes[1]):
             table[tile] = table.get(tile, 0) + max(sizes[0].get(tile, 0), sizes[1].get(tile, 0))
+    by_tile = _steps_by_tile(program)
     return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
-            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []))
+            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []), by_tile)
             for tile in program["buffers"]}
 
 
-def _program_size(program, tile, kernels):
-    steps = [[s, [[kernels.index(k), a] for k, a in step["vertices"].get(tile, [])]]
-             for s, step in enumerate(program["steps"]) if tile in step["vertices"]]
+def _steps_by_tile(program) -> dict[str, list]:
+    """``{tile: [(step index, its vertices on the tile), ...]}`` in step order."""
+    out: dict[str, list] = {}
+    for s, step in enumerate(program["steps"]):
+        for tile, verts in step["vertices"].items():
+            out.setdefault(tile, []).append((s, verts))
+    return out
+
+
+def _program_size(program, tile, kernels, by_tile=None):
+    if by_tile is None:
+        by_tile = _steps_by_tile(program)
+    index: dict = {}
+    for i, k in enumerate(kernels):
+        index.setdefault(k, i)
+    steps = [[s, [[index[k], a] for k, a in verts]] for s, verts in by_tile.get(tile, [])]
     return codegen.program_bytes(kernels, steps)
 
 
@@ -182,9 +196,10 @@ def size_tile_code(ctx):
             entries[str(t[0])] = entries.get(str(t[0]), 0) + 1
             dests[str(t[0])] = dests.get(str(t[0]), 0) + len(exchange.destination_tiles(t))
     out = {}
+    by_tile = _steps_by_tile(program)
     for tile in program["buffers"]:
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
-        prog = _program_size(program, tile, kernels)
+        prog = _program_size(program, tile, kernels, by_tile)
         xch = codegen.exchange_bytes(entries.get(tile, 0), dests.get(tile, 0))
         kb = link["tiles"].get(tile, {"kernel_bytes": 0})["kernel_bytes"]
         out[tile] = {"kernel_bytes": kb, "program_bytes": prog, "exchange_table_bytes": xch,
