@@ -52,8 +52,10 @@ def _load():
     key = hashlib.sha256(b"\0".join([source, cc.encode(), cflags.encode(), version])).hexdigest()[:24]
     folder = Path(tempfile.gettempdir()) / f"ipubuild-native-{os.getuid()}"
     path = folder / f"exchange_sched-{key}.so"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():       # someone else's folder: not a library to load
+        raise ValueError(f"{folder} belongs to another user")
     if not path.exists():
-        folder.mkdir(parents=True, exist_ok=True)
         tmp = folder / f".{path.name}.{os.getpid()}"
         src = folder / f".exchange_sched-{key}.{os.getpid()}.c"
         src.write_bytes(source)
