@@ -165,26 +165,11 @@ def schedule_python(transfers: list[list], machine: dict, paired: bool) -> tuple
     return min(first, (_replay(info, earliest), earliest))
 
 
-def grouped(transfers: list[list], keep: bool = False) -> tuple[list, list, list]:
-    """``(coalesce(transfers), its ordinary broadcasts, its paired broadcasts)``. ``keep``: also
-    remember them for the next ``grouped`` of the same list object in this process (the
-    provisional code size and the phase's schedule both need them; ``forget_grouped`` drops
-    what is left). Readers must not modify them."""
-    found = _grouped.pop(id(transfers), None)
-    if found is not None and found[0] is transfers:
-        return found[1]
+def grouped(transfers: list[list]) -> tuple[list, list, list]:
+    """``(coalesce(transfers), its ordinary broadcasts, its paired broadcasts)``: what the
+    provisional code size and the phase's schedule both start from."""
     merged = coalesce(transfers)
-    out = (merged, broadcasts(merged, paired=False), broadcasts(merged, paired=True))
-    if keep:
-        _grouped[id(transfers)] = (transfers, out)
-    return out
-
-
-def forget_grouped() -> None:
-    _grouped.clear()
-
-
-_grouped: dict = {}
+    return merged, broadcasts(merged, paired=False), broadcasts(merged, paired=True)
 
 
 def schedule_phase(transfers: list[list], machine: dict) -> dict:

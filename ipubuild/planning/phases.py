@@ -47,12 +47,12 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     storage only merges entries."""
     per_tile = kernels_per_tile(program)
     table: dict[str, int] = {}
-    exchange.forget_grouped()
     for step in program["steps"]:
         if not step["transfers"]:
             continue
-        # kept for this program's schedule_exchange_phase, which groups the same transfers
-        _, plain, pairs = exchange.grouped(step["transfers"], keep=True)
+        # not kept for schedule_exchange_phase: on ViT-B/16 every step's groups at once are
+        # gigabytes of lists (it groups them again, one step at a time)
+        _, plain, pairs = exchange.grouped(step["transfers"])
         sizes = []
         for groups in (plain, pairs):
             size: dict[str, int] = {}
@@ -147,7 +147,6 @@ def schedule_provisional_exchanges(ctx):
                      ordinary_horizon=sched["ordinary_horizon"], paired_horizon=sched["paired_horizon"],
                      use_paired=sched["use_paired"])
         out.append(sched)
-    exchange.forget_grouped()
     return {"exchange_schedule": _plan(out)}
 
 
