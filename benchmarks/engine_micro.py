@@ -18,7 +18,7 @@ from pathlib import Path
 DODO = '''
 from pathlib import Path
 from ipubuild.engine import phase
-from ipubuild.pipeline import Step, Workspace
+from ipubuild.build.pipeline import Step, Workspace
 from ipubuild.tasks import step_task
 
 @phase("bench_toy", inputs=("src",), outputs=("out",))

@@ -530,6 +530,8 @@ def assemble(info, args, repeats, scale_repeats, raw, floor, search, scale, tota
         ratios["scale simulator/reference"] = ratio_entry(
             [s["run_device_ms"] for s in scale["clean"]], [s["evaluate_reference_ms"] for s in scale["clean"]],
             f"{SCALE_TARGET}: run_device ms / evaluate_reference ms (goal <= 3)")
+        ratios["scale clean/clean"] = ratio_entry(
+            _wall(scale["clean"]), _wall(clean), f"{SCALE_TARGET} clean wall / {MAIN_TARGET} clean wall (goal <= 15)")
         ratios["scale kernel_edit/(compile+device)"] = ratio_entry(
             [w * 1000.0 for w in _wall(scale["kernel_edit"])],
             [ratio_sum(s["compiled_ms"], s["run_device_ms"]) for s in scale["kernel_edit"]],
@@ -563,6 +565,7 @@ def assemble(info, args, repeats, scale_repeats, raw, floor, search, scale, tota
                     "evaluate_reference_ms": device["evaluate_reference_ms"]["median"],
                     "noop_floor_s": median(floor["noop"]), "import_doit_s": median(floor["import_doit"]),
                     "candidate_ms": median([ms for v in search.values() for s in v for ms in s["candidate_ms"]]),
+                    "scale_candidate_ms": median([ms for s in scale["clean"] for ms in s["candidate_ms"]]),
                     "scale_peak_pss_mib": median([s["peak_pss_mib"] for s in scale["clean"]]),
                     "scale_run_device_ms": median([s["run_device_ms"] for s in scale["clean"]]),
                     "scale_evaluate_reference_ms": median([s["evaluate_reference_ms"] for s in scale["clean"]])},
@@ -573,6 +576,23 @@ def assemble(info, args, repeats, scale_repeats, raw, floor, search, scale, tota
         "observations": observations,
         "raw": {**raw, "floor": floor, "search": search, "scale": scale},
     }
+
+
+def goals(res: dict) -> list[str]:
+    """Issue 26's figures side by side: each as measured in this run, and its goal (ratios of
+    this run's own figures). Peak memory here is the largest process's; benchmarks that sample the
+    whole process tree's PSS report that separately."""
+    md, r = res["medians"], res["ratios"]
+    rows = [("ViT-B/16 candidate exact evaluation, median ms", md.get("scale_candidate_ms"), "<= 5000", "{:.0f}"),
+            ("ViT-B/16 clean / vit_fp8 clean", r.get("scale clean/clean", {}).get("median"), "<= 15", "{:.1f}"),
+            ("ViT-B/16 peak memory MiB (largest process)", md.get("scale_peak_rss_mib"), "<= 2560 (tree PSS)", "{:.0f}"),
+            ("simulator / reference, vit_fp8", r.get("simulator/reference", {}).get("median"), "<= 2", "{:.2f}"),
+            ("simulator / reference, ViT-B/16", r.get("scale simulator/reference", {}).get("median"), "<= 2", "{:.2f}"),
+            ("vit_fp8 candidate, median ms", md.get("candidate_ms"), "<= 30", "{:.0f}"),
+            ("kernel edit / (compile + device), vit_fp8", r.get("kernel_edit/(compile+device)", {}).get("median"),
+             "<= 1.5", "{:.2f}"),
+            ("no-op vit_fp8 / import doit", r.get("noop/import_doit", {}).get("median"), "<= 1.2", "{:.2f}")]
+    return [f"{name:<46} {_f(value, fmt):>10}   goal {goal}" for name, value, goal, fmt in rows]
 
 
 def ratio_sum(a, b):
@@ -603,6 +623,7 @@ def table(res: dict) -> str:
     md = res["medians"]
     lines += ["", f"{'no-op / import doit (s)':<36} {_f(md['noop_floor_s']):>10} {_f(md['import_doit_s']):>10}",
               f"{'candidate evaluation ms (median)':<36} {_f(md['candidate_ms'], '{:.0f}'):>10}",
+              f"{'scale: candidate evaluation ms':<36} {_f(md.get('scale_candidate_ms'), '{:.0f}'):>10}",
               f"{'kernel edit: compile ms':<36} {_f(md['kernel_edit_compile_ms'], '{:.0f}'):>10}",
               f"{'kernel edit: run_device ms':<36} {_f(md['kernel_edit_device_ms'], '{:.0f}'):>10}",
               f"{'comment edit: compile ms':<36} {_f(md['comment_edit_compile_ms'], '{:.0f}'):>10}",
@@ -629,6 +650,7 @@ def table(res: dict) -> str:
     for k, r in res["ratios"].items():
         per = " ".join(_f(x) for x in r["samples"])
         lines.append(f"{k:<30} {_f(r['median']):>8} {_f(r['of_medians']):>11}  {per}")
+    lines += ["", "issue 26's figures (measured here / goal):"] + [f"  {line}" for line in goals(res)]
     if res["observations"]:
         lines += ["", "observations:"]
         for o in res["observations"]:

@@ -8,7 +8,7 @@ one worker misbehave in a way the tests choose with ``$IPUBUILD_TEST_SHIM``.
 * ``lie-candidates`` — every search candidate the worker evaluates is claimed 1000 cycles cheaper
   than it is (the client must evaluate them itself).
 
-Nothing in ipubuild knows about this file; it wraps ipubuild.cluster's task functions in the
+Nothing in ipubuild knows about this file; it wraps ipubuild.remote.cluster's task functions in the
 worker process only. (Dask may run a preload twice in one process: the originals are kept on the
 module, so the wrappers never wrap themselves.)
 """

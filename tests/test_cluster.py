@@ -189,7 +189,7 @@ def test_the_cluster_module_stays_out_of_fingerprints_and_light_paths():
     from ipubuild.engine.fingerprint import closure
     for module in ("ipubuild.compiler.planning.phases", "ipubuild.compiler.kernels", "ipubuild.compiler.search"):
         assert "ipubuild.remote.cluster" not in closure(module)
-    code = ("import sys; import ipubuild.build, ipubuild.search, ipubuild.executors; "
+    code = ("import sys; import ipubuild.build, ipubuild.search, ipubuild.engine.executors; "
             "print([m for m in ('distributed', 'dask', 'ipubuild.remote.cluster') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env=env(IPUBUILD_SCHEDULER="tcp://127.0.0.1:1"))

@@ -263,7 +263,7 @@ def operation_tolerances(target_text: str, tmp_path) -> dict[str, tuple[str, flo
     """``{operation: (type, median, max)}`` of each operation's tolerance (as ``check_operations``
     asks for it: on the reference's inputs, before a folded cast), in units of U times the RMS of
     its f32 reference."""
-    from ipubuild.compare import _unfused
+    from ipubuild.device.compare import _unfused
     from ipubuild.frontend import build_model
     from ipubuild.ir import FP8
     from ipubuild.plugins import get_plugin_manager

@@ -665,8 +665,8 @@ def test_every_declared_leaf_of_every_phase_moves_its_key_and_doit_signature(tmp
     from buildtree import SMALL, make_tree
 
     from ipubuild import build as b
-    from ipubuild.analysis import _known_names, step_entry
-    from ipubuild.pipeline import Workspace
+    from ipubuild.build.analysis import _known_names, step_entry
+    from ipubuild.build.pipeline import Workspace
     from ipubuild.targets import load_target
     tree = make_tree(tmp_path / "tree", {"small": SMALL})
     monkeypatch.chdir(tree)
@@ -682,7 +682,7 @@ def test_every_declared_leaf_of_every_phase_moves_its_key_and_doit_signature(tmp
                  for s in steps}
 
     def both(s, config):
-        from ipubuild.pipeline import Step
+        from ipubuild.build.pipeline import Step
         changed = Step(s.task, s.name, s.phase, s.inputs, s.outputs, s.sources, s.files, config, s.spans, s.doc)
         return (step_entry(ws, changed, "cache")["signature"],
                 ws.engine.action_key(PHASES[s.phase], inputs_of[s.task_name], config))

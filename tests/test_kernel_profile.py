@@ -1,4 +1,4 @@
-"""Figures measured on the compiled kernels (``ipubuild.kernel_profile``): a kernel code edit
+"""Figures measured on the compiled kernels (``ipubuild.build.kernel_profile``): a kernel code edit
 changes its measured figures — and only its own — after a rebuild that runs no planning phase;
 the count is the same on every run; a compiler without basic-block counting leaves the figures
 out with a note, and the build passes."""

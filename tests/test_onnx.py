@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from ipubuild.errors import UserError  # noqa: E402
 from ipubuild.graph.onnx_import import declared_sources, import_model  # noqa: E402
 from ipubuild.plugins import get_plugin_manager  # noqa: E402
-from ipubuild.reference import evaluate  # noqa: E402
+from ipubuild.graph.reference import evaluate  # noqa: E402
 
 import buildtree  # noqa: E402
 
@@ -189,7 +189,7 @@ def test_bound_program_equals_the_program_of_the_real_graph():
     """Planning on the plan graph (no scales) and binding the scales gives the program the real
     graph would have planned: what keeps vit_fp8's package byte-identical."""
     from ipubuild.frontend import build_model
-    from ipubuild.planning.program import build_program, default_layout
+    from ipubuild.compiler.planning.program import build_program, default_layout
     from ipubuild.targets import load_target
     from ipubuild.compiler.weights import bind, plan_graph
     target = load_target("targets/vit_fp8.toml", root=ROOT)

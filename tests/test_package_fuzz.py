@@ -91,7 +91,7 @@ def sign(manifest, members: dict[str, bytes], tweak=None, deep: int = 0, style: 
 
 
 def image_bytes(header_value, arrays: dict[str, bytes], deep: int = 0, table_tweak=None) -> bytes:
-    """A tile image (the ipubuild.tensors layout) with this header and these arrays."""
+    """A tile image (the ipubuild.graph.tensors layout) with this header and these arrays."""
     chunks = {"header": encode(header_value, deep), **arrays}
     table, off = [], 0
     for name in sorted(chunks):

@@ -179,8 +179,8 @@ PAIRED = (SMALL.replace("tile_count = 16", "tile_count = 32").replace("width = 6
 
 
 def test_a_paired_exchange_plan_builds_runs_and_is_timed_paired_on_the_simulator(tmp_path):
-    from ipubuild.machine import load_machine
-    from ipubuild.planning import exchange
+    from ipubuild.compiler.machine import load_machine
+    from ipubuild.compiler.planning import exchange
     root = make_tree(tmp_path, {"paired": PAIRED})
     built = Built(root, "paired", _build(root, "paired"))
     verdict, cost, profile = built.json("verdict"), built.json("cost"), built.json("profile")

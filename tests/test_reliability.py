@@ -187,7 +187,7 @@ FETCH = """
 import hashlib
 import sys
 import ipubuild.build  # registers the phases
-from ipubuild.pipeline import Workspace
+from ipubuild.build.pipeline import Workspace
 ws = Workspace(".")
 data = ws.engine.fetch(sys.argv[1])
 ws.store.close()

@@ -573,7 +573,7 @@ def test_a_plugin_adds_a_backend(tmp_path, monkeypatch):
 
 def test_the_hook_keeps_plugin_loading_light_and_the_tier_out_of_fingerprints():
     code = ("import sys, tempfile; from ipubuild.plugins import get_plugin_manager; get_plugin_manager(); "
-            "from ipubuild.store import Store; Store(tempfile.mkdtemp()).close(); "
+            "from ipubuild.engine.store import Store; Store(tempfile.mkdtemp()).close(); "
             "print(sorted(m for m in ('ipubuild.remote', 'ipubuild.remote.http', 'http.client') if m in sys.modules))")
     e = {k: v for k, v in os.environ.items() if not k.startswith("IPUBUILD_REMOTE_CACHE")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, check=True)

@@ -452,7 +452,7 @@ def test_estimator_terms_are_pinned_against_the_exact_cost_model(built_small, mo
     into broadcasts: one send per fragment, each receiver's receive) — which no ordinary
     schedule beats. (Dropping the sync, or halving the broadcast sends, fails here.)"""
     from ipubuild import estimator
-    from ipubuild.planning import exchange as X
+    from ipubuild.compiler.planning import exchange as X
     from ipubuild.search import EVALUATION, PHASES, mapping_candidates
     ws, target, graph = built_small
     machine = load_machine("ipu21")

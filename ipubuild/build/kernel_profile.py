@@ -114,11 +114,11 @@ def measure_kernels(ctx):
                 f"kernels not counted: [profile] kernel_counts = {ctx.config['profile']['kernel_counts']!r} "
                 f"on {ctx.config['target']['tile_count']} tiles; set it to \"on\" to count them"]})}
     from ..graph.operators import registry
-    from ..device.package import Package
+    from ..device.package import validated
     reg = registry()
     counted = ctx.json("counted_objects")
     objects = {name: ctx.engine.fetch(d) for name, d in counted["objects"].items()}
-    pkg = Package(ctx.bytes("package"), "package")
+    pkg = validated(ctx.bytes("package"), "package")
     machine = pkg.manifest["machine"]
     kinds: dict[str, dict] = {}
     estimates: dict[tuple, int] = {}
@@ -154,8 +154,8 @@ def host_times(package: bytes, inputs: dict, repeat: int = 3) -> dict[str, dict]
     """Host time of each kernel variant's vertex calls, running the package's own objects on this
     machine ``repeat`` times: ``{variant: {"calls", "median_ns"}}``, the median over every call
     of every run. It varies from run to run, so it is never part of an artifact."""
-    from ..device.package import Package
-    pkg = Package(package, "package")
+    from ..device.package import validated
+    pkg = validated(package, "package")
     times: dict[str, list[int]] = {}
     clock = time.perf_counter_ns
     for _ in range(repeat):

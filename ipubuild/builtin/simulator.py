@@ -1,7 +1,8 @@
 """The default device backend, ``ipumodel``: a simulator of the tile machine.
 
 It loads the package a real device would: every used tile's SRAM is a byte array filled from
-its tile image; the tile program and exchange table are decoded from that memory. Host calls run
+its tile image; the tile program and exchange table are the ones the package reader decoded
+from the image's bytes (and checked), which that memory now holds. Host calls run
 phase by phase: the exchange copies exactly what the tables say, then every tile's vertices call
 the compiled C kernels with pointers into that tile's memory, then a sync. Cycles come from the
 kernels' estimators and the exchange horizons, as in the cost model.
@@ -40,7 +41,7 @@ from ..device.device import DeviceRun, device_ownership
 from ..engine.errors import UserError
 from ..engine.log import log
 from ..graph.operators import registry
-from ..device.package import Package
+from ..device.package import validated
 from ..compiler.planning import codegen, exchange
 from ..compiler.planning.storage import tile_ranges
 
@@ -61,7 +62,7 @@ class Simulator:
         lanes = threads()
         with _without_gc():
             log.info("reading application package")
-            pkg = Package(package, "package")
+            pkg = validated(package, "package")
             m = pkg.manifest
             machine = m["machine"]
             log.info("application package read", tiles=m["tiles"], compiler=pkg.compiler)
@@ -153,10 +154,12 @@ class Simulator:
                 mem[addr:addr + size] = np.frombuffer(raw, dtype=np.uint8)
                 if kind in ("program", "exchange"):
                     names[f"@{kind}"] = (addr, size)
-            kn, steps = codegen.decode_program(_read(mem, names["@program"]))
+            # the reader decoded them from the image's bytes, which the memory now holds
+            decoded = pkg.decoded.get(m["tile_images"][tile])
+            kn, steps = decoded[0] if decoded else codegen.decode_program(_read(mem, names["@program"]))
             programs[tile] = {s: [(names[kn[k]], kn[k], a) for k, a in verts] for s, verts in steps}
             try:
-                tables.append(codegen.decode_exchange(_read(mem, names["@exchange"])))
+                tables.append(decoded[1] if decoded else codegen.decode_exchange(_read(mem, names["@exchange"])))
             except ValueError as exc:
                 raise UserError("package", f"tile {tile}: {exc}: rebuild the package with this ipubuild") from None
         return memory, row_of, programs, tables, data

@@ -350,6 +350,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
                      **screened.invalid, **_by_heuristic(per, ("proposed", "fit", "cheaper", "shortlisted")))
             screen_s = time.perf_counter() - t0
+            sc.estimator.forget()
             shortlist = screened.shortlist[:cfg["evaluations"] - state["attempts"]]
             if not shortlist:
                 _count_round(state, rnd, per)

@@ -344,6 +344,7 @@ class Package:
         used = self._check_tiles(m)
         host = self._check_host(m)
         self.images, self._senders = {}, {}
+        self.decoded: dict[str, tuple] = {}     # image digest -> (decoded program, exchange table)
         for digest in sorted(set(m["tile_images"])):
             self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
                                               host["run"]["phases"])
@@ -442,9 +443,10 @@ class Package:
             if kinds.count("program") != 1 or kinds.count("exchange") != 1:
                 self._fail(f"{what} is loaded on a tile but lacks its program or exchange table")
             kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
-            self._check_program(what, arrays["program"], kernels, phases)
+            program = self._check_program(what, arrays["program"], kernels, phases)
             table = self._check_exchange(m, what, arrays["exchange"], used, phases)
             self._senders[digest] = {e[1] for e in table}
+            self.decoded[digest] = (program, table)
         return header, arrays
 
     def _check_segments(self, m: dict, what: str, segments: list, arrays: dict) -> None:
@@ -480,7 +482,8 @@ class Package:
         if set(arrays) != blobs:
             self._fail(f"{what} has arrays no segment places: {', '.join(sorted(set(arrays) - blobs))}")
 
-    def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> None:
+    def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> tuple:
+        """The program, decoded (``codegen.decode_program``), once checked."""
         try:
             names, steps = codegen.decode_program(raw)
             exact = codegen.encode_program(names, steps) == raw
@@ -498,8 +501,10 @@ class Package:
             prev = step
             if any(k >= len(names) for k, _ in verts):
                 self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
+        return names, steps
 
-    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int) -> None:
+    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int) -> list:
+        """The exchange table, decoded (``codegen.decode_exchange``), once checked."""
         try:
             table = codegen.decode_exchange(raw)
             exact = codegen.encode_exchange(table) == raw
@@ -559,6 +564,22 @@ class Package:
             write_atomic(target, self.member(name))
             written.append(target)
         return written
+
+
+def validated(data: bytes, where: str = "package") -> Package:
+    """``Package(data, where)``, validated once per process for the same bytes (the device run
+    and the kernel measurement of one build read the same package): the last one is kept, by the
+    sha256 of its bytes."""
+    digest = hashlib.sha256(data).digest()
+    found = _validated.get((digest, where))
+    if found is None:
+        found = Package(data, where)
+        _validated.clear()
+        _validated[(digest, where)] = found
+    return found
+
+
+_validated: dict = {}
 
 
 def read_package(path) -> Package:

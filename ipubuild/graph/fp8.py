@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 
-FORMATS = {"f143": ml_dtypes.float8_e4m3fnuz, "f152": ml_dtypes.float8_e5m2fnuz}
 MAX = {"f143": 240.0, "f152": 57344.0}
 
 NAN_CODE = 0x80
@@ -26,11 +24,23 @@ SCALE_EXP_MIN = -32
 SCALE_EXP_MAX = 32
 
 
+def __getattr__(name: str):
+    """``FORMATS`` (``{"f143": dtype, "f152": dtype}``), made at first use: importing ml_dtypes
+    costs more than a no-op build's every other import, and only a phase that casts needs it."""
+    if name == "FORMATS":
+        if "FORMATS" in globals():
+            return globals()["FORMATS"]
+        import ml_dtypes
+        globals()["FORMATS"] = {"f143": ml_dtypes.float8_e4m3fnuz, "f152": ml_dtypes.float8_e5m2fnuz}
+        return globals()["FORMATS"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _dtype(fmt: str):
     try:
-        return FORMATS[fmt]
+        return __getattr__("FORMATS")[fmt]
     except KeyError:
-        raise ValueError(f"unknown fp8 format {fmt!r}; expected one of {sorted(FORMATS)}") from None
+        raise ValueError(f"unknown fp8 format {fmt!r}; expected one of {sorted(__getattr__('FORMATS'))}") from None
 
 
 def encode(x: np.ndarray, fmt: str, scale_exp: int = 0) -> np.ndarray:

@@ -137,7 +137,16 @@ def schedule(transfers: list[list], machine: dict, paired: bool) -> tuple[int, l
     Two orders are tried and the shorter kept: largest first, and earliest start first (ties:
     the transfer on the busiest port, then the longest). Ties are broken by content, so any
     order of the same transfers gives the same horizon. Paired schedules pool a supertile's
-    two ports at twice the bandwidth but pay a setup per transfer. Returns (horizon, order)."""
+    two ports at twice the bandwidth but pay a setup per transfer. Returns (horizon, order).
+    The loops run in C over arrays (``exchange_native``) where a C compiler is at hand; the
+    Python loops below are the reference they are tested against."""
+    from . import exchange_native
+    found = exchange_native.schedule(transfers, machine, paired)
+    return found if found is not None else schedule_python(transfers, machine, paired)
+
+
+def schedule_python(transfers: list[list], machine: dict, paired: bool) -> tuple[int, list[int]]:
+    """``schedule`` in Python, per transfer."""
     info = [_ports_and_duration(t, machine, paired) for t in transfers]
     rank = sorted(range(len(transfers)), key=lambda i: (transfers[i], i))
     tie = [0] * len(transfers)
@@ -156,11 +165,17 @@ def schedule(transfers: list[list], machine: dict, paired: bool) -> tuple[int, l
     return min(first, (_replay(info, earliest), earliest))
 
 
+def grouped(transfers: list[list]) -> tuple[list, list, list]:
+    """``(coalesce(transfers), its ordinary broadcasts, its paired broadcasts)``: what the
+    provisional code size and the phase's schedule both start from."""
+    merged = coalesce(transfers)
+    return merged, broadcasts(merged, paired=False), broadcasts(merged, paired=True)
+
+
 def schedule_phase(transfers: list[list], machine: dict) -> dict:
     """Compare ordinary and paired schedules of one exchange phase (each with its own
     broadcasts) and keep the shorter."""
-    merged = coalesce(transfers)
-    plain, pairs = broadcasts(merged, paired=False), broadcasts(merged, paired=True)
+    merged, plain, pairs = grouped(transfers)
     ordinary, order_o = schedule(plain, machine, paired=False)
     paired, order_p = schedule(pairs, machine, paired=True)
     use_paired = paired < ordinary

@@ -13,6 +13,7 @@ import numpy as np
 
 from ...graph import tensors
 from ...graph.artifacts import graph_of, machine_of, params_of, to_json as _json
+from ...graph.artifacts import to_plan_json as _plan
 from ...engine.engine import phase
 from ...engine.executors import run_phases
 from ...engine.log import log
@@ -49,24 +50,40 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     for step in program["steps"]:
         if not step["transfers"]:
             continue
-        merged = exchange.coalesce(step["transfers"])
+        # not kept for schedule_exchange_phase: on ViT-B/16 every step's groups at once are
+        # gigabytes of lists (it groups them again, one step at a time)
+        _, plain, pairs = exchange.grouped(step["transfers"])
         sizes = []
-        for paired in (False, True):
+        for groups in (plain, pairs):
             size: dict[str, int] = {}
-            for t in exchange.broadcasts(merged, paired):
+            for t in groups:
                 size[str(t[0])] = size.get(str(t[0]), 0) + codegen.exchange_bytes(1, len(exchange.destination_tiles(t))) \
                     - codegen.exchange_bytes(0, 0)
             sizes.append(size)
         for tile in set(sizes[0]) | set(sizes[1]):
             table[tile] = table.get(tile, 0) + max(sizes[0].get(tile, 0), sizes[1].get(tile, 0))
+    by_tile = _steps_by_tile(program)
     return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
-            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []))
+            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []), by_tile)
             for tile in program["buffers"]}
 
 
-def _program_size(program, tile, kernels):
-    steps = [[s, [[kernels.index(k), a] for k, a in step["vertices"].get(tile, [])]]
-             for s, step in enumerate(program["steps"]) if tile in step["vertices"]]
+def _steps_by_tile(program) -> dict[str, list]:
+    """``{tile: [(step index, its vertices on the tile), ...]}`` in step order."""
+    out: dict[str, list] = {}
+    for s, step in enumerate(program["steps"]):
+        for tile, verts in step["vertices"].items():
+            out.setdefault(tile, []).append((s, verts))
+    return out
+
+
+def _program_size(program, tile, kernels, by_tile=None):
+    if by_tile is None:
+        by_tile = _steps_by_tile(program)
+    index: dict = {}
+    for i, k in enumerate(kernels):
+        index.setdefault(k, i)
+    steps = [[s, [[index[k], a] for k, a in verts]] for s, verts in by_tile.get(tile, [])]
     return codegen.program_bytes(kernels, steps)
 
 
@@ -102,14 +119,14 @@ def place_provisional_storage(ctx):
     g, m = graph_of(ctx), machine_of(ctx)
     program = build_program(g, ctx.json("layout"), ctx.config["target"]["tile_count"])
     code = provisional_code_bytes(program, reservations_of(ctx))
-    return {"program": _json(program), "provisional_storage": _json(_allocate_all(program, code, m))}
+    return {"program": _plan(program), "provisional_storage": _plan(_allocate_all(program, code, m))}
 
 
 @phase("schedule_exchange_phase", inputs=("transfers", "machine"), outputs=("schedule",))
 def schedule_exchange_phase(ctx):
     """One exchange phase's schedule: a sub-phase, so that identical phases (in this program or
     in a search candidate) reuse it from the cache."""
-    return {"schedule": _json(exchange.schedule_phase(ctx.json("transfers"), machine_of(ctx)))}
+    return {"schedule": _plan(exchange.schedule_phase(ctx.json("transfers"), machine_of(ctx)))}
 
 
 @phase("schedule_provisional_exchanges", inputs=("program", "machine"), outputs=("exchange_schedule",))
@@ -120,7 +137,7 @@ def schedule_provisional_exchanges(ctx):
         if not step["transfers"]:
             out.append({"transfers": [], "horizon": 0, "use_paired": False})
             continue
-        transfers = ctx.engine.put(_json(step["transfers"]), pin=True)
+        transfers = ctx.engine.put(_plan(step["transfers"]), pin=True)
         r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
         sched = ctx.engine.decoded(r.outputs["schedule"])
         if r.hit:
@@ -130,7 +147,7 @@ def schedule_provisional_exchanges(ctx):
                      ordinary_horizon=sched["ordinary_horizon"], paired_horizon=sched["paired_horizon"],
                      use_paired=sched["use_paired"])
         out.append(sched)
-    return {"exchange_schedule": _json(out)}
+    return {"exchange_schedule": _plan(out)}
 
 
 @phase("plan_kernels", inputs=("program",), outputs=("kernel_plan",))
@@ -178,9 +195,10 @@ def size_tile_code(ctx):
             entries[str(t[0])] = entries.get(str(t[0]), 0) + 1
             dests[str(t[0])] = dests.get(str(t[0]), 0) + len(exchange.destination_tiles(t))
     out = {}
+    by_tile = _steps_by_tile(program)
     for tile in program["buffers"]:
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
-        prog = _program_size(program, tile, kernels)
+        prog = _program_size(program, tile, kernels, by_tile)
         xch = codegen.exchange_bytes(entries.get(tile, 0), dests.get(tile, 0))
         kb = link["tiles"].get(tile, {"kernel_bytes": 0})["kernel_bytes"]
         out[tile] = {"kernel_bytes": kb, "program_bytes": prog, "exchange_table_bytes": xch,
@@ -188,7 +206,7 @@ def size_tile_code(ctx):
     biggest = max(v["exchange_table_bytes"] for v in out.values())
     log.info("exchange table and repeat patch storage", exchange_table_bytes=biggest,
              maximum_uncompressed_repeat_patch_bytes=0, maximum_elided_arithmetic_patch_bytes=0)
-    return {"code_sizes": _json(out)}
+    return {"code_sizes": _plan(out)}
 
 
 @phase("place_storage", inputs=("program", "code_sizes", "machine"), outputs=("storage",))
@@ -204,7 +222,7 @@ def place_storage(ctx):
              exchange_table_bytes=s["exchange_table_bytes"], host_code_bytes=c["host_code_bytes"],
              host_data_bytes=c["host_data_bytes"], generated_code_bytes=s["total"],
              code_address=r["code_address"], available_ranges=_ranges(r["available_ranges"]))
-    return {"storage": _json(placed)}
+    return {"storage": _plan(placed)}
 
 
 def _ranges(rs) -> str:
@@ -215,7 +233,7 @@ def _ranges(rs) -> str:
 def lower_exchanges(ctx):
     sched, placed = ctx.json("exchange_schedule"), ctx.json("storage")
     addresses = {t: v["addresses"] for t, v in placed.items()}
-    return {"exchange_tables": _json([{"entries": exchange.resolve(s["transfers"], addresses),
+    return {"exchange_tables": _plan([{"entries": exchange.resolve(s["transfers"], addresses),
                                        "use_paired": s["use_paired"]} for s in sched])}
 
 
@@ -233,7 +251,7 @@ def optimize_exchange_placement(ctx):
     log.info("bounded final placed program", lower_bound=cost["lower_bound"],
              ratio=f"{cost['final_cycles'] / max(1, cost['lower_bound']):.3f}", peak_bound=cost["peak_bound"],
              peak_ratio=f"{cost['final_cycles'] / max(1, cost['peak_bound']):.3f}")
-    return {"placed_exchanges": _json(placed), "cost": _json(cost)}
+    return {"placed_exchanges": _plan(placed), "cost": _json(cost)}
 
 
 # code and images -------------------------------------------------------------------------------
@@ -261,7 +279,7 @@ def prepare_tile_code(ctx):
                                   for k, args in verts]])
         code_address = placed[tile]["ranges"]["code_address"]
         kb = sizes[tile]["kernel_bytes"]
-        out[f"tile_program/{tile}"] = _json({
+        out[f"tile_program/{tile}"] = _plan({
             "kernels": kernels, "steps": steps, "exchange": sends[tile],
             "paired": [t["use_paired"] for t in ctx.json("placed_exchanges")],
             "addresses": {"program": code_address + kb,

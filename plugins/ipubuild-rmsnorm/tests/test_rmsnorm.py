@@ -208,7 +208,7 @@ def test_onnx_simplified_layer_normalization_imports_as_rmsnorm():
 
     from ipubuild.graph.onnx_import import import_model
     from ipubuild.plugins import get_plugin_manager
-    from ipubuild.reference import evaluate
+    from ipubuild.graph.reference import evaluate
     rng = np.random.default_rng(3)
     scale = (1 + 0.1 * rng.standard_normal(16)).astype(np.float32)
     node = helper.make_node("SimplifiedLayerNormalization", ["x", "scale"], ["y"], name="/norm/rms",
