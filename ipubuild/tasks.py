@@ -313,7 +313,7 @@ class Finish:
             write_trace(root / "artifacts" / t / "build.trace.json", f"doit build:{t}")
         cost = verdict["cost"]
         verdict_word = "PASS" if verdict["pass"] else "FAIL"
-        device_word = "PASS" if verdict["device_ok"] else "FAIL"
+        from .verdict import device_word
         console.closing(t,
             f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
             f"lower_bound={cost['lower_bound']} peak_bound={cost.get('peak_bound')}\n"
@@ -323,7 +323,7 @@ class Finish:
             f"referenceMinimumCosineSimilarity={verdict['min_cosine']}\n"
             f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}\n"
             f"package={entry['package_file']} tiles={verdict['tiles']} "
-            f"device={entry['device']} deviceTest={device_word}\n")
+            f"device={entry['device']} deviceTest={device_word(verdict)}\n")
         ws = _workspaces.get(root)
         if ws is not None and ws.store.remote is not None:   # what the shared cache did
             console.say(ws.store.remote.summary() + "\n")

@@ -90,6 +90,12 @@ class Kernel:
         return int(self._fn(tile.mem.ctypes.data, a.ctypes.data))
 
     # the checked build (``IPU_CHECKED=1``, as every build compiles kernels) ---------------------
+    @property
+    def checked(self) -> bool:
+        """Whether this object is a checked build (it exports ``ipu_tile_bytes``, as a kernel
+        including ``ipu_kernel.h`` compiled with ``-DIPU_CHECKED=1`` does)."""
+        return hasattr(self._lib, "ipu_tile_bytes")
+
     def set_tile(self, tile_bytes: int, map_address: int = 0) -> None:
         """What a device tells a checked build when it loads it: the tile memory's size and the
         address of the tile's data map (0: none)."""
@@ -109,13 +115,14 @@ def compile_source(source, out_dir=None, defines=(), *, werror: bool = True, nam
     as ``compile_kernels`` does, into ``out_dir`` (default: a new temporary folder); return the
     shared object's path. A failure raises ``UserError`` naming the kernel, its first error
     line and, in ``diagnostics``, the compiler's whole output."""
-    from .kernels import SOURCE_SUFFIXES, compile_kernel, compiler, included, source_slot
+    from .kernels import SOURCE_SUFFIXES, compile_kernel, compiler, header_sources, included, source_slot
     source = Path(source).resolve()
     defines = sorted(defines.items()) if isinstance(defines, dict) else sorted(tuple(d) for d in defines)
     slot = source_slot(source)
     folder_slot = slot.rpartition("/")[0]
-    sources = {f"{folder_slot}/{f.name}" if folder_slot else f.name: f.read_bytes()
-               for f in sorted(source.parent.iterdir()) if f.suffix in SOURCE_SUFFIXES and f.is_file()}
+    sources = {slot: f.read_bytes() for slot, f in header_sources().items()}    # ipu_kernel.h
+    sources.update({f"{folder_slot}/{f.name}" if folder_slot else f.name: f.read_bytes()
+                    for f in sorted(source.parent.iterdir()) if f.suffix in SOURCE_SUFFIXES and f.is_file()})
     headers = {h: sources[h] for h in included(slot, sources)}
     cc, cflags = compiler()
     if werror:
@@ -151,9 +158,14 @@ def load_variant(variant, out_dir=None, *, werror: bool = True, checked: bool = 
     if key not in _loaded:
         path = compile_source(variant.source, out_dir, defines, werror=werror,
                               name=variant.name + ("_checked" if checked else ""))
-        _loaded[key] = Kernel(path, variant.name)
+        kernel = Kernel(path, variant.name)
         if checked:
-            _loaded[key].set_tile(TileMemory().mem.size)
+            if not kernel.checked:
+                raise UserError(f"kernel {variant.name} ({variant.source})", "is not a checked build: "
+                                '#include "ipu_kernel.h" (installed with ipubuild) and check each buffer with '
+                                "IPU_REQUIRE_BUFFER (docs/plugins.md, 'The kernel')")
+            kernel.set_tile(TileMemory().mem.size)
+        _loaded[key] = kernel
     return _loaded[key]
 
 

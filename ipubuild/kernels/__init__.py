@@ -114,15 +114,27 @@ def compiler_identity(cc: str, memo=None) -> tuple[dict, list[str]]:
 _INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
 
 
+#: the slot folder of ipubuild's own kernel headers (``ipu_kernel.h``), on every kernel's include
+#: path: a plugin kernel's ``#include "ipu_kernel.h"`` finds the installed header
+HEADER_SLOT = "ipubuild/kernels"
+
+
+def header_sources() -> dict[str, Path]:
+    """``{slot: file}`` of ipubuild's installed kernel headers (``ipu_kernel.h``)."""
+    return {f"{HEADER_SLOT}/{f.name}": f for f in sorted(KERNEL_DIR.glob("*.h"))}
+
+
 def included(source_slot: str, sources: dict[str, bytes]) -> list[str]:
     """The slots of every local header a source includes, transitively (quoted includes,
-    resolved beside the including file)."""
+    resolved beside the including file, else among ipubuild's headers: ``HEADER_SLOT``)."""
     seen: list[str] = []
     todo = [source_slot]
     while todo:
         slot = todo.pop()
         for name in _INCLUDE.findall(sources[slot]):
             h = str(PurePosixPath(slot).parent / name.decode())
+            if h not in sources:
+                h = f"{HEADER_SLOT}/{name.decode()}"
             if h in sources and h not in seen:
                 seen.append(h)
                 todo.append(h)
@@ -146,7 +158,7 @@ def kernel_sources(registry) -> dict[str, Path]:
         for f in sorted(folder.iterdir()):
             if f.suffix in SOURCE_SUFFIXES and f.is_file():
                 out[source_slot(f)] = f
-    return out
+    return {**header_sources(), **out}
 
 
 def text_bytes(elf: bytes) -> int:
@@ -180,7 +192,9 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
             (Path(tmp) / slot).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / slot).write_bytes(data)
         cwd = (Path(tmp) / where).parent
-        cmd = [*shlex.split(cc), *shlex.split(cflags), *[f"-D{k}={v}" for k, v in defines],
+        # ipubuild's headers on the include path (after the source's own folder)
+        include = ["-iquote", str(Path(tmp) / HEADER_SLOT)] if (Path(tmp) / HEADER_SLOT).is_dir() else []
+        cmd = [*shlex.split(cc), *shlex.split(cflags), *include, *[f"-D{k}={v}" for k, v in defines],
                "-o", str(Path(tmp) / "kernel.so"), source_name, *extra, "-lm"]
         try:
             proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
@@ -189,7 +203,7 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
         except subprocess.TimeoutExpired:
             raise UserError(f"kernel {name} ({where})", "the C compiler took more than 300 s; "
                             "check the source or IPUBUILD_CFLAGS") from None
-        diagnostics = proc.stderr.replace(source_name, where)
+        diagnostics = proc.stderr.replace(f"{tmp}/", "").replace(source_name, where)
         obj = (Path(tmp) / "kernel.so").read_bytes() if proc.returncode == 0 else b""
         return proc.returncode, obj, diagnostics
 
