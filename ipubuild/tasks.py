@@ -134,12 +134,22 @@ def tasks_of(root: Path, defaults: list | None = None, verbose: bool = True):
             yield {"basename": task["basename"], "name": None, "doc": docs.pop(task["basename"])}
         yield task
     if defaults is not None and any("build" in (e["kind"], e.get("basename")) for e in entries):
-        # a target a plugin ships is built when named, never by bare `doit`
-        shipped = {e.get("target", e.get("name")) for e in entries if e.get("plugin")}
-        builds = ["build"] if not shipped else [f"build:{e.get('target', e.get('name'))}" for e in entries
-                                                if "build" in (e["kind"], e.get("basename")) and not e.get("plugin")]
-        defaults[:] = builds + [f"{e['step']['task']}:{e['step']['name']}" for e in entries
-                                if e["kind"] == "step" and e["meta"].get("target") not in shipped]
+        # bare `doit` builds every target but those marked `[target] default = false` (built when
+        # named), and says which it skipped
+        optout = sorted(e["target"] for e in entries if e["kind"] == "build" and e.get("default") is False)
+        builds = [f"build:{e.get('target', e.get('name'))}" for e in entries
+                  if "build" in (e["kind"], e.get("basename")) and e.get("target") not in optout]
+        defaults[:] = (["skipped"] if optout else []) + builds + [f"{e['step']['task']}:{e['step']['name']}" for e in entries
+                                if e["kind"] == "step" and e["meta"].get("target") not in optout]
+        if optout:
+            yield {"basename": "skipped", "actions": [(_skipped, [optout])], "uptodate": [False],
+                   "doc": "bare `doit`: say which targets it does not build ([target] default = false)"}
+
+
+def _skipped(targets: list):
+    n = len(targets)
+    console.say(f"skipped {n} target{'s' if n != 1 else ''} marked [target] default = false: "
+                f"{', '.join(targets)} (build one by name: doit build:{targets[0]})\n")
 
 
 def _analyse(root: Path, previous: dict | None) -> dict:
@@ -185,9 +195,28 @@ def task_of(root: Path, e: dict, entries: list, verbose: bool = True) -> dict:
     if kind == "broken":
         return {"basename": e["basename"], "name": e["name"], "actions": [(_broken, [e])], **v,
                 "doc": f"error: {e['message']}"}
+    if kind == "kernel":        # `doit kernel:<variant> [--target T --repeat N --seed S --inputs a.npy,...]`
+        return {"basename": "kernel", "name": e["variant"], "uptodate": [False], "doc": e["doc"], **v,
+                "actions": [(_kernel, [root, e["variant"]])],
+                "params": [{"name": "target", "long": "target", "default": "", "help": "take the shapes from this target"},
+                           {"name": "repeat", "long": "repeat", "type": int, "default": 20, "help": "timed calls"},
+                           {"name": "seed", "long": "seed", "type": int, "default": 0, "help": "seed of the inputs"},
+                           {"name": "inputs", "long": "inputs", "default": "",
+                            "help": "the operation's inputs as .npy files, comma-separated"}]}
     # a command around the builds: explain, inspect, profile (per target), plugins
     return {"basename": kind, **({"name": e["target"]} if "target" in e else {}), "uptodate": [False],
             "actions": [(_command, [kind, root, e])], "doc": e["doc"], **v}
+
+
+def _kernel(root: Path, variant: str, target="", repeat=20, seed=0, inputs=""):
+    from .kernel_cli import run_kernel
+    try:
+        ok, lines = run_kernel(root, variant, target=target, repeat=repeat, seed=seed, inputs=inputs)
+    except Exception as exc:  # noqa: BLE001 - one line
+        return _failure(exc, f"kernel:{variant}")
+    console.say("".join(ln + "\n" for ln in lines))
+    bad = next((ln.strip() for ln in lines if ln.endswith(": FAIL")), lines[-1])
+    return None if ok else TaskFailed(f"kernel {variant}: {bad}")
 
 
 def _command(name: str, root: Path, entry: dict):
@@ -250,6 +279,7 @@ def _run_step(root: Path, entry: dict, entries: list, signature: Signature):
             ws = workspace(root, entries)
             with watch(ws, entry, entries, signature.recorded):
                 result = ws.execute(Step.from_json(entry["step"]))
+            console.came_from(entry["meta"].get("target"), result.hit, result.remote)
             if result.hit and "diagnostics" in result.outputs:   # a tool's warnings, from the cache
                 from .log import log
                 for what, text in ws.engine.decoded(result.outputs["diagnostics"]).items():

@@ -85,8 +85,9 @@ def test_a_build_at_a_pipe_is_short_and_ends_with_the_closing_lines(built):
     assert progress and len(progress) == len(set(progress)), run.stdout   # one line per phase kind
     assert "plan_package" in progress and "place_storage" not in progress   # planning phases nest in it
     assert re.search(r"plan_package:small .*search [\d,]+ . [\d,]+ cycles \(.\d+\.\d %\) in 1 round", run.stdout)
-    assert re.search(r"^small built: \d+ tasks run, 0 up to date, [\d.]+ s; log: artifacts/small/build.log$",
-                     run.stdout, re.M), run.stdout
+    m = re.search(r"^small built: (\d+) tasks: (\d+) ran, (\d+) from the cache, 0 up to date, [\d.]+ s; "
+                  r"log: artifacts/small/build.log$", run.stdout, re.M)
+    assert m and int(m[1]) == int(m[2]) + int(m[3]) and int(m[2]) > 0, run.stdout
 
 
 def test_the_full_structured_log_goes_to_build_log(built):
@@ -197,7 +198,7 @@ def test_explain_after_a_kernel_comment_edit_names_the_file_and_the_early_cutoff
         gelu.write_text(text.replace("0.044715", "0.0447150", 1) + "/* edit */\n")
         run = doit(tree, "build:small", environ=quiet(tree, cache))
         assert run.returncode == 0, run.tail()
-        assert "small built: 1 task run" in run.stdout, run.stdout
+        assert re.search(r"^small built: \d+ tasks: 1 ran, 0 from the cache", run.stdout, re.M), run.stdout
         run = doit(tree, "explain:small", environ=quiet(tree, cache))
         assert run.returncode == 0, run.tail()
         out = run.stdout
