@@ -128,7 +128,7 @@ def compile_source(source, out_dir=None, defines=(), *, werror: bool = True, nam
     if werror:
         cflags += " -Werror"
     name = name or source.stem + "".join(f"_{k}{v}" for k, v in defines)
-    obj, _ = compile_kernel(name, source.name, source.read_bytes(), headers, defines, cc, cflags, slot)
+    obj, _ = compile_kernel(name, source.name, source.read_bytes(), headers, defines, cc, cflags, slot, record=False)
     out = Path(out_dir or tempfile.mkdtemp(prefix="ipubuild-kernel-")) / f"{name}.so"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(obj)

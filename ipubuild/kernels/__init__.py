@@ -23,6 +23,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import threading
 from pathlib import Path, PurePosixPath
 
 from .. import canonical
@@ -209,15 +210,51 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
 
 
 def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str, bytes],
-                   defines: list, cc: str, cflags: str, where: str) -> tuple[bytes, str]:
-    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure prints the
-    compiler's diagnostics and raises a one-line error naming the kernel."""
+                   defines: list, cc: str, cflags: str, where: str, *, record: bool = True) -> tuple[bytes, str]:
+    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure raises a
+    one-line error naming the kernel, with the compiler's output in its ``diagnostics``
+    (``record``: also kept for ``compile_kernels`` to print, once per source)."""
     code, obj, diagnostics = run_compiler(name, source_name, {where: source, **headers}, where, defines, cc, cflags)
     if code != 0:
-        log.diagnostics(diagnostics)
         first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
-        raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
+        exc = UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
+        exc.diagnostics, exc.variant, exc.source = diagnostics, name, where
+        if record:
+            with _failed_lock:      # compile_kernels prints them once per source (variants named)
+                _failed.append(exc)
+        raise exc
     return obj, diagnostics
+
+
+# the compile failures of this process not yet reported (compile_kernels groups them by source)
+_failed: list = []
+_failed_lock = threading.Lock()
+
+
+def by_source(items) -> dict[tuple[str, str], list[str]]:
+    """``{(source slot, diagnostics): [variant, ...]}`` of ``(variant, slot, text)`` items: the
+    variants of one source usually say the same thing, which is then shown once."""
+    out: dict = {}
+    for name, slot, text in items:
+        out.setdefault((slot, text), []).append(name)
+    return out
+
+
+def report_failures(failure: Exception) -> Exception:
+    """The compile failures recorded since the last call: their diagnostics printed once per
+    source and text, naming the variants; and the error to raise, naming every variant of the
+    first failing source."""
+    with _failed_lock:
+        failed, _failed[:] = list(_failed), []
+    if not failed:
+        return failure
+    groups = by_source((e.variant, e.source, e.diagnostics) for e in failed)
+    for (slot, text), names in groups.items():
+        log.diagnostics(f"kernel {', '.join(names)} ({slot}): compiler diagnostics:\n{text}")
+    (slot, _), names = next(iter(groups.items()))
+    exc = UserError(f"kernel {', '.join(names)} ({slot})", failed[0].message)
+    exc.diagnostics = failed[0].diagnostics
+    return exc
 
 
 @phase("compile_kernel", inputs=("source", "header/*"), outputs=("object", "code_size", "diagnostics"),
@@ -300,21 +337,29 @@ def compile_kernels(ctx):
     names = sorted(jobs)        # compiled concurrently here, or on a cluster
     counted_jobs = [("compile_counted_kernel", {**jobs[n][0], "counter": ctx.digest("counter")}, jobs[n][1])
                     for n in names] if counting(ctx.config) else []
-    results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
-                         threads=os.cpu_count() or 1)
+    try:
+        results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
+                             threads=os.cpu_count() or 1)
+    except UserError as exc:        # every failed variant has finished: their diagnostics once per source
+        raise report_failures(exc) from None
     quantum = ctx.config["kernel_quantum"]
     objects, sizes, reserved, warnings = {}, {}, {}, {}
+    said = []
     for name, r in zip(names, results):
         if not r.hit:
             log.info("compiled kernel variant", variant=name, elapsed_ms=r.elapsed_ms)
         diagnostics = ctx.engine.fetch(r.outputs["diagnostics"]).decode()
         if diagnostics.strip():         # replayed on a cache hit too (once a run), as Bazel replays stderr
-            what = f"kernel {name}: compiler diagnostics"
-            warnings[what] = diagnostics
-            log.diagnostics(f"{what}{' (cached)' if r.hit else ''}:\n{diagnostics}", once=(what, diagnostics))
+            said.append((name, jobs[name][1]["kernel"]["where"], diagnostics, r.hit))
         objects[name] = r.outputs["object"]
         sizes[name] = ctx.engine.decoded(r.outputs["code_size"])["code_bytes"]
         reserved[name] = reserve(sizes[name], quantum)
+    hits = {name for name, _, _, hit in said if hit}
+    for (slot, text), variants in by_source((n, w, d) for n, w, d, _ in said).items():
+        what = f"kernel {', '.join(variants)} ({slot}): compiler diagnostics"
+        warnings[what] = text
+        cached = " (cached)" if set(variants) <= hits else ""
+        log.diagnostics(f"{what}{cached}:\n{text}", once=(what, text))
     counted, notes = {}, {}
     for name, r in zip(names, results[len(names):]):
         note = ctx.engine.fetch(r.outputs["note"]).decode()
