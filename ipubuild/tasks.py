@@ -277,8 +277,10 @@ def _run_step(root: Path, entry: dict, entries: list, signature: Signature):
         ws = None
         try:
             ws = workspace(root, entries)
-            with watch(ws, entry, entries, signature.recorded):
+            with watch(ws, entry, entries, signature.recorded) as rec:
                 result = ws.execute(Step.from_json(entry["step"]))
+                if result.hit:
+                    rec["cache"] = "remote" if result.remote else "local"
             console.came_from(entry["meta"].get("target"), result.hit, result.remote)
             if result.hit and "diagnostics" in result.outputs:   # a tool's warnings, from the cache
                 from .log import log

@@ -271,7 +271,7 @@ def test_explain_reasons(tmp_path):
                    "toolchain numpy changed: 1.26 → 2.0",
                    "the cache changed (another IPUBUILD_CACHE_DIR, or a new cache)",
                    "output artifacts/t/t.ipuexe was missing"]
-    assert explain.reasons(None, cur, [], True, tmp_path)[0].startswith("no earlier run of it is recorded")
+    assert explain.reasons(None, cur, [], True, tmp_path)[0].startswith("no earlier run of it in this tree is recorded")
     assert "doit had no record" in explain.reasons(base, base, [], False, tmp_path)[0]
     assert "`doit -a`" in explain.reasons(base, base, [], True, tmp_path)[0]
 
@@ -333,7 +333,13 @@ def test_clean_forget_and_the_cache(tmp_path, cache):
     assert again.returncode == 0 and package.exists(), again.tail()
     assert "cached=true" in again.stderr and "compiled kernel variant" not in again.stderr
     assert doit(tree, "clean", "--all", environ=quiet(tree, own)).returncode == 0 and not package.exists()
-    assert doit(tree, "build:small", environ=quiet(tree, own)).returncode == 0
+    restored = doit(tree, "build:small", environ=quiet(tree, own))
+    # the quiet console and explain say the results came from the cache, not that tasks "ran"
+    m = re.search(r"^small built: (\d+) tasks: 0 ran, (\d+) from the cache, 0 up to date", restored.stdout, re.M)
+    assert restored.returncode == 0 and m and m[1] == m[2], restored.stdout
+    told = doit(tree, "explain:small", environ=quiet(tree, own)).stdout
+    assert re.search(rf"; {m[1]} of \d+ tasks ran \({m[1]} of them from the cache: nothing computed\)", told), told
+    assert "its result came from the local cache" in told, told
     assert doit(tree, "clean", "build:small", environ=quiet(tree, own)).returncode == 0 and not package.exists()
     # doit forget: every task of the tree runs again (out of the cache)
     assert doit(tree, "build:small", environ=quiet(tree, own)).returncode == 0
