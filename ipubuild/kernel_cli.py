@@ -262,7 +262,8 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
                 f": {verdict}")
         if j.get("worst"):
             w = j["worst"]
-            line += f"; worst: expected {w['expected']} got {w['got']}"
+            at = np.unravel_index(w["index"], ref.shape)
+            line += f" (worst: [{r0 + int(at[0])}, {c0 + int(at[-1])}] expected {w['expected']} got {w['got']})"
         lines.append(line)
     lines.append(f"  host time: median {statistics.median(times) / 1000:.1f} us of {len(times)} calls "
                  f"(min {min(times) / 1000:.1f} us)")

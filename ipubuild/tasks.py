@@ -139,10 +139,10 @@ def tasks_of(root: Path, defaults: list | None = None, verbose: bool = True):
         optout = sorted(e["target"] for e in entries if e["kind"] == "build" and e.get("default") is False)
         builds = [f"build:{e.get('target', e.get('name'))}" for e in entries
                   if "build" in (e["kind"], e.get("basename")) and e.get("target") not in optout]
-        defaults[:] = (["skipped"] if optout else []) + builds + [f"{e['step']['task']}:{e['step']['name']}" for e in entries
+        defaults[:] = (["_skipped"] if optout else []) + builds + [f"{e['step']['task']}:{e['step']['name']}" for e in entries
                                 if e["kind"] == "step" and e["meta"].get("target") not in optout]
         if optout:
-            yield {"basename": "skipped", "actions": [(_skipped, [optout])], "uptodate": [False],
+            yield {"basename": "_skipped", "actions": [(_skipped, [optout])], "uptodate": [False],
                    "doc": "bare `doit`: say which targets it does not build ([target] default = false)"}
 
 
@@ -215,7 +215,7 @@ def _kernel(root: Path, variant: str, target="", repeat=20, seed=0, inputs=""):
     except Exception as exc:  # noqa: BLE001 - one line
         return _failure(exc, f"kernel:{variant}")
     console.say("".join(ln + "\n" for ln in lines))
-    bad = next((ln.strip() for ln in lines if ln.endswith(": FAIL")), lines[-1])
+    bad = next((ln.strip() for ln in lines if ": FAIL" in ln), lines[-1])
     return None if ok else TaskFailed(f"kernel {variant}: {bad}")
 
 

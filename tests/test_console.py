@@ -297,9 +297,16 @@ def test_progress_words_from_the_log_events():
 
 def test_bare_doit_builds_what_it_can_and_names_what_it_skips(tmp_path, cache):
     rms = TEXT.replace('family = "vit"', 'family = "zz_not_installed"')     # a family no plugin gives
-    tree = tree_with(tmp_path, {"small": TEXT, "zz_rms": rms})
+    big = TEXT.replace("[target]\n", "[target]\ndefault = false\n", 1)      # built only when named
+    tree = tree_with(tmp_path, {"small": TEXT, "zz_rms": rms, "big": big})
     run = doit(tree, environ=quiet(tree, cache))
     assert run.returncode == 0, run.tail()
+    assert re.search(r"^skipped 1 target marked \[target\] default = false: big \(build one by name: doit build:big\)$",
+                     run.stdout, re.M), run.stdout
+    assert not (tree / "artifacts" / "big").exists() and "big built:" not in run.stdout
+    typo = doit(tree, "build:smal", environ=quiet(tree, cache))       # a misspelt target: a suggestion
+    assert typo.returncode != 0 and 'no task or target "build:smal"; did you mean build:small' in typo.output, \
+        typo.tail()
     assert re.search(r"^skipped build:zz_rms: targets/zz_rms\.toml: model\.family: unknown family 'zz_not_installed'",
                      run.stdout, re.M), run.stdout
     assert "numericalTest=PASS" in run.stdout and "small built:" in run.stdout, run.stdout
@@ -309,9 +316,9 @@ def test_bare_doit_builds_what_it_can_and_names_what_it_skips(tmp_path, cache):
     assert named.returncode == 1 and named.error_lines[0].startswith("error: targets/zz_rms.toml: model.family"), \
         named.tail()
     listed = doit(tree, "list", environ=quiet(tree, cache)).stdout
-    assert re.search(r"^build +compile, package, run .*: small, zz_rms \(error: targets/zz_rms\.toml: "
+    assert re.search(r"^build +compile, package, run .*: big, small, zz_rms \(error: targets/zz_rms\.toml: "
                      r"model\.family: unknown family 'zz_not_installed'", listed, re.M), listed
-    assert re.search(r"^explain +why each task .*: small(, .*)?$", listed, re.M), listed   # (and shipped targets)
+    assert re.search(r"^explain +why each task .*: big, small(, .*)?$", listed, re.M), listed   # (and shipped targets)
     assert re.search(r"^plan_package +phase plan_package: search the layout$", listed, re.M), listed
     info = doit(tree, "info", "build:small", environ=quiet(tree, cache))
     assert info.returncode == 0 and "up-to-date" in info.stdout and "final_cycles" not in info.stdout, info.tail()

@@ -1,0 +1,70 @@
+"""`doit kernel:<variant>`: one kernel variant compiled as a build compiles it, run on the shapes a
+target gives it against its operator's reference — and a wrong kernel fails it."""
+from __future__ import annotations
+
+import re
+
+import pytest
+from buildtree import SMALL, copy_ipubuild, doit, env, make_tree
+
+from ipubuild.suggest import did_you_mean, unknown_task_message
+
+
+def test_did_you_mean_prefers_the_same_group():
+    known = ["build:vit_fp8", "build:vit_b16_fp8", "profile:vit_fp8", "kernel:gelu_f32_fp8"]
+    assert did_you_mean("build:vit_f8", known)[0] == "build:vit_fp8"
+    assert did_you_mean("biuld:vit_fp8", known)[0] == "build:vit_fp8"
+    assert did_you_mean("zzz", known) == []
+    assert unknown_task_message("zzz", known) == 'no task or target "zzz" (`doit list --all` shows them)'
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    t = make_tree(tmp_path_factory.mktemp("kernel"), {"small": SMALL})
+    copy_ipubuild(t)
+    return t
+
+
+def _run(tree, *args, **extra):
+    e = env(tree, IPUBUILD_CACHE_DIR=str(tree / "cache"), **extra)
+    for k in ("IPUBUILD_CONSOLE", "IPUBUILD_LOG"):
+        e.pop(k)
+    return doit(tree, *args, environ=e)
+
+
+def test_a_kernel_variant_runs_against_its_reference_timed_and_counted(tree):
+    run = _run(tree, "kernel:gelu_f32_fp8", "--target", "small", "--repeat", "3", "--seed", "1")
+    assert run.returncode == 0, run.tail()
+    out = run.stdout
+    assert re.search(r"^kernel gelu_f32_fp8 \(gelu\.c -DFP8_OUT=1, checked build\): operation \S+ \(gelu\) "
+                     r"of target small, plan \{.*\}, tile \d+$", out, re.M), out
+    assert re.search(r"^  \S+\[0:\d+, 0:\d+\] f143: \d+ elements, \d+ differ from the reference, 0 outside "
+                     r"\(within its tolerance\): PASS$", out, re.M), out
+    assert re.search(r"^  host time: median [\d.]+ us of 3 calls", out, re.M), out
+    assert re.search(r"^  basic blocks: [\d,]+ per call$", out, re.M), out
+    assert out.rstrip().endswith("kernelTest=PASS"), out
+
+
+def test_a_wrong_kernel_fails_with_the_element_that_is_off(tree):
+    gelu = tree / "ipubuild" / "kernels" / "gelu.c"
+    text = gelu.read_text()
+    try:
+        gelu.write_text(text.replace("float g = 0.5f * v *", "float g = 0.45f * v *", 1))
+        run = _run(tree, "kernel:gelu_f32_fp8", "--target", "small", "--repeat", "1")
+    finally:
+        gelu.write_text(text)
+    assert run.returncode == 1, run.tail()
+    assert "kernelTest=FAIL" in run.stdout, run.tail()
+    (line,) = [ln for ln in run.stdout.splitlines() if ln.startswith("error:")]
+    assert re.match(r"error: kernel gelu_f32_fp8: \S+\[0:\d+, 0:\d+\] f143: .* [1-9]\d* outside .*: FAIL "
+                    r"\(worst: \[\d+, \d+\] expected \S+ got \S+\)$", line), line
+
+
+def test_unknown_variants_targets_and_unused_variants_are_one_line_errors(tree):
+    typo = _run(tree, "kernel:gelu_f32_fp9")
+    assert typo.returncode != 0 and "did you mean kernel:gelu_f32_fp8" in typo.output, typo.tail()
+    bad = _run(tree, "kernel:gelu_f32_fp8", "--target", "smal")
+    assert bad.returncode == 1 and "error: --target smal: no such target; did you mean small?" in bad.stdout, bad.tail()
+    unused = _run(tree, "kernel:gelu_f32", "--target", "small")      # small folds its gelu's cast
+    assert unused.returncode == 1 and "no operation of target small calls it" in unused.stdout, unused.tail()
+    assert "Traceback" not in typo.output + bad.output + unused.output
