@@ -265,9 +265,13 @@ def read_state(path: Path) -> dict | None:
         return None
     state = None
     try:
-        saved = canonical.loads(raw)
-        if isinstance(saved, dict) and saved.get("sha256") == canonical.digest_of(saved.get("state")):
-            state = saved["state"]
+        check, _, data = raw.partition(b"\n")
+        if len(check) == 64 and check.decode() == canonical.digest(data):    # the first edition's form
+            state = canonical.loads(data)
+        else:
+            saved = canonical.loads(raw)
+            if isinstance(saved, dict) and saved.get("sha256") == canonical.digest_of(saved.get("state")):
+                state = saved["state"]
     except (ValueError, TypeError):
         state = None
     if not isinstance(state, dict) or any(not isinstance(state.get(k), t) or isinstance(state.get(k), bool)

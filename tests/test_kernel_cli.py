@@ -2,7 +2,9 @@
 target gives it against its operator's reference — and a wrong kernel fails it."""
 from __future__ import annotations
 
+import os
 import re
+import signal
 
 import pytest
 from buildtree import SMALL, copy_ipubuild, doit, env, make_tree
@@ -68,3 +70,39 @@ def test_unknown_variants_targets_and_unused_variants_are_one_line_errors(tree):
     unused = _run(tree, "kernel:gelu_f32", "--target", "small")      # small folds its gelu's cast
     assert unused.returncode == 1 and "no operation of target small calls it" in unused.stdout, unused.tail()
     assert "Traceback" not in typo.output + bad.output + unused.output
+
+
+def test_watch_builds_again_when_a_kernel_source_is_saved(tree, tmp_path):
+    import subprocess
+    import sys
+    import time
+    e = env(tree, IPUBUILD_CACHE_DIR=str(tree / "cache"), IPUBUILD_WATCH_INTERVAL="0.1")
+    for k in ("IPUBUILD_CONSOLE", "IPUBUILD_LOG"):
+        e.pop(k)
+    log = tmp_path / "watch.log"
+    gelu = tree / "ipubuild" / "kernels" / "gelu.c"
+    text = gelu.read_text()
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, "-m", "ipubuild.watch", "build:small"], cwd=tree, env=e,
+                             stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_for(pattern, count=1, timeout=300):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if len(re.findall(pattern, log.read_text(), re.M)) >= count:
+                return
+            assert p.poll() is None, log.read_text()
+            time.sleep(0.2)
+        raise AssertionError(f"no {pattern!r} in:\n{log.read_text()}")
+    try:
+        wait_for(r"^watching \d+ files for doit build:small")
+        gelu.write_text(text + "/* saved */\n")
+        wait_for(r"^changed: ipubuild/kernels/gelu\.c; building again$")
+        wait_for(r"^watching \d+ files", count=2)
+        out = log.read_text()
+        assert out.count("deviceTest=PASS") == 2, out
+        assert re.search(r"^small built: \d+ tasks: 1 ran", out, re.M), out     # early cutoff: the compile only
+    finally:
+        gelu.write_text(text)
+        os.killpg(p.pid, signal.SIGINT)
+        p.wait(timeout=30)
