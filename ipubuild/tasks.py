@@ -340,6 +340,7 @@ class Finish:
         memo.save()
         verdict = json.loads((root / entry["verdict_file"]).read_bytes())
         write_if_changed(root / "artifacts" / t / f"{t}.resolved.toml", entry["resolved"].encode())
+        _write_changes(root, t)
         if _executed[0]:
             from .log import write_trace
             write_trace(root / "artifacts" / t / "build.trace.json", f"doit build:{t}")
@@ -365,6 +366,17 @@ class Finish:
             failure = TaskFailed(failure_line(verdict, entry["path"], entry["device"]))
         self.outcome = (failure,)
         return failure
+
+
+def _write_changes(root: Path, t: str) -> None:
+    """``<t>.changes.js`` beside the profile page: what moved since the previous build, which the
+    page marks (``ipubuild.profile_diff``); written only when it changes."""
+    from .profile_diff import changes, marks, of_target
+    d = of_target(root, t)
+    lines = changes(root, t)[1:] if d is not None else []
+    value = {"lines": [ln.strip() for ln in lines if ln.strip() != "nothing moved"], "marks": marks(d)}
+    write_if_changed(root / "artifacts" / t / f"{t}.changes.js",
+                     f"window.IPUBUILD_CHANGES = {json.dumps(value, sort_keys=True)};\n".encode())
 
 
 def _read_ref(root: Path, artifact: str) -> str | None:
