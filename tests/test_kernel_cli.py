@@ -106,3 +106,30 @@ def test_watch_builds_again_when_a_kernel_source_is_saved(tree, tmp_path):
         gelu.write_text(text)
         os.killpg(p.pid, signal.SIGINT)
         p.wait(timeout=30)
+
+
+def test_a_plugin_kernel_that_is_not_a_checked_build_is_said_in_the_closing_line(tmp_path):
+    from buildtree import ROOT
+    tree = make_tree(tmp_path / "tree", {})
+    e = env(None, IPUBUILD_PLUGINS="ipubuild_throwaway", IPUBUILD_CACHE_DIR=str(tmp_path / "cache"),
+            PYTHONPATH=os.pathsep.join([str(ROOT / "tests" / "throwaway")] +
+                                       ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    for k in ("IPUBUILD_CONSOLE", "IPUBUILD_LOG"):
+        e.pop(k)
+    run = doit(tree, "build:throwaway_small", environ=e)
+    assert run.returncode == 0, run.tail()
+    closing = run.stdout.strip().splitlines()[-1]
+    assert closing.endswith("deviceTest=PASS (1 kernel variant unchecked: throwaway_square_f32)"), closing
+    assert "kernel variants are not checked builds" in run.output and "throwaway_square_f32" in run.output
+
+
+def test_the_closing_word_and_return_codes_say_what_they_mean():
+    from ipubuild.builtin.simulator import return_reason
+    from ipubuild.verdict import device_word
+    assert device_word({"device_ok": True}) == "PASS"
+    assert device_word({"device_ok": True, "unchecked": ["a", "b"]}) == "PASS (2 kernel variants unchecked: a, b)"
+    # an unchecked kernel's code is its own: only the number is said; a checked one says why
+    assert return_reason(2, None) == "returned 2 (not a checked build: the code is the kernel's own)"
+    assert return_reason(3, lambda: b"y[n] lies outside the tile's data memory") == \
+        "y[n] lies outside the tile's data memory"
+    assert return_reason(2, lambda: None) == "no scratch memory"
