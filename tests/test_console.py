@@ -85,8 +85,9 @@ def test_a_build_at_a_pipe_is_short_and_ends_with_the_closing_lines(built):
     assert progress and len(progress) == len(set(progress)), run.stdout   # one line per phase kind
     assert "plan_package" in progress and "place_storage" not in progress   # planning phases nest in it
     assert re.search(r"plan_package:small .*search [\d,]+ . [\d,]+ cycles \(.\d+\.\d %\) in 1 round", run.stdout)
-    assert re.search(r"^small built: \d+ tasks run, 0 up to date, [\d.]+ s; log: artifacts/small/build.log$",
-                     run.stdout, re.M), run.stdout
+    m = re.search(r"^small built: (\d+) tasks: (\d+) ran, (\d+) from the cache, 0 up to date, [\d.]+ s; "
+                  r"log: artifacts/small/build.log$", run.stdout, re.M)
+    assert m and int(m[1]) == int(m[2]) + int(m[3]) and int(m[2]) > 0, run.stdout
 
 
 def test_the_full_structured_log_goes_to_build_log(built):
@@ -197,7 +198,7 @@ def test_explain_after_a_kernel_comment_edit_names_the_file_and_the_early_cutoff
         gelu.write_text(text.replace("0.044715", "0.0447150", 1) + "/* edit */\n")
         run = doit(tree, "build:small", environ=quiet(tree, cache))
         assert run.returncode == 0, run.tail()
-        assert "small built: 1 task run" in run.stdout, run.stdout
+        assert re.search(r"^small built: \d+ tasks: 1 ran, 0 from the cache", run.stdout, re.M), run.stdout
         run = doit(tree, "explain:small", environ=quiet(tree, cache))
         assert run.returncode == 0, run.tail()
         out = run.stdout
@@ -270,7 +271,7 @@ def test_explain_reasons(tmp_path):
                    "toolchain numpy changed: 1.26 → 2.0",
                    "the cache changed (another IPUBUILD_CACHE_DIR, or a new cache)",
                    "output artifacts/t/t.ipuexe was missing"]
-    assert explain.reasons(None, cur, [], True, tmp_path)[0].startswith("no earlier run of it is recorded")
+    assert explain.reasons(None, cur, [], True, tmp_path)[0].startswith("no earlier run of it in this tree is recorded")
     assert "doit had no record" in explain.reasons(base, base, [], False, tmp_path)[0]
     assert "`doit -a`" in explain.reasons(base, base, [], True, tmp_path)[0]
 
@@ -296,9 +297,16 @@ def test_progress_words_from_the_log_events():
 
 def test_bare_doit_builds_what_it_can_and_names_what_it_skips(tmp_path, cache):
     rms = TEXT.replace('family = "vit"', 'family = "zz_not_installed"')     # a family no plugin gives
-    tree = tree_with(tmp_path, {"small": TEXT, "zz_rms": rms})
+    big = TEXT.replace("[target]\n", "[target]\ndefault = false\n", 1)      # built only when named
+    tree = tree_with(tmp_path, {"small": TEXT, "zz_rms": rms, "big": big})
     run = doit(tree, environ=quiet(tree, cache))
     assert run.returncode == 0, run.tail()
+    assert re.search(r"^skipped 1 target marked \[target\] default = false: big \(build one by name: doit build:big\)$",
+                     run.stdout, re.M), run.stdout
+    assert not (tree / "artifacts" / "big").exists() and "big built:" not in run.stdout
+    typo = doit(tree, "build:smal", environ=quiet(tree, cache))       # a misspelt target: a suggestion
+    assert typo.returncode != 0 and 'no task or target "build:smal"; did you mean build:small' in typo.output, \
+        typo.tail()
     assert re.search(r"^skipped build:zz_rms: targets/zz_rms\.toml: model\.family: unknown family 'zz_not_installed'",
                      run.stdout, re.M), run.stdout
     assert "numericalTest=PASS" in run.stdout and "small built:" in run.stdout, run.stdout
@@ -308,9 +316,9 @@ def test_bare_doit_builds_what_it_can_and_names_what_it_skips(tmp_path, cache):
     assert named.returncode == 1 and named.error_lines[0].startswith("error: targets/zz_rms.toml: model.family"), \
         named.tail()
     listed = doit(tree, "list", environ=quiet(tree, cache)).stdout
-    assert re.search(r"^build +compile, package, run .*: small, zz_rms \(error: targets/zz_rms\.toml: "
+    assert re.search(r"^build +compile, package, run .*: big, small, zz_rms \(error: targets/zz_rms\.toml: "
                      r"model\.family: unknown family 'zz_not_installed'", listed, re.M), listed
-    assert re.search(r"^explain +why each task .*: small(, .*)?$", listed, re.M), listed   # (and shipped targets)
+    assert re.search(r"^explain +why each task .*: big, small(, .*)?$", listed, re.M), listed   # (and shipped targets)
     assert re.search(r"^plan_package +phase plan_package: search the layout$", listed, re.M), listed
     info = doit(tree, "info", "build:small", environ=quiet(tree, cache))
     assert info.returncode == 0 and "up-to-date" in info.stdout and "final_cycles" not in info.stdout, info.tail()
@@ -332,7 +340,13 @@ def test_clean_forget_and_the_cache(tmp_path, cache):
     assert again.returncode == 0 and package.exists(), again.tail()
     assert "cached=true" in again.stderr and "compiled kernel variant" not in again.stderr
     assert doit(tree, "clean", "--all", environ=quiet(tree, own)).returncode == 0 and not package.exists()
-    assert doit(tree, "build:small", environ=quiet(tree, own)).returncode == 0
+    restored = doit(tree, "build:small", environ=quiet(tree, own))
+    # the quiet console and explain say the results came from the cache, not that tasks "ran"
+    m = re.search(r"^small built: (\d+) tasks: 0 ran, (\d+) from the cache, 0 up to date", restored.stdout, re.M)
+    assert restored.returncode == 0 and m and m[1] == m[2], restored.stdout
+    told = doit(tree, "explain:small", environ=quiet(tree, own)).stdout
+    assert re.search(rf"; {m[1]} of \d+ tasks ran \({m[1]} of them from the cache: nothing computed\)", told), told
+    assert "its result came from the local cache" in told, told
     assert doit(tree, "clean", "build:small", environ=quiet(tree, own)).returncode == 0 and not package.exists()
     # doit forget: every task of the tree runs again (out of the cache)
     assert doit(tree, "build:small", environ=quiet(tree, own)).returncode == 0
@@ -353,8 +367,9 @@ def test_compiler_warnings_are_shown_once_replayed_from_the_cache_and_werror_fai
     gelu.write_text(gelu.read_text() + WARNING_C)
     run = doit(tree, "build", environ=quiet(tree, own))
     assert run.returncode == 0, run.tail()
-    assert run.output.count("kernel gelu_f32: compiler diagnostics:") == 1, run.output
-    assert run.output.count("kernel gelu_f32: compiler diagnostics (cached):") == 0
+    # once per source, naming the variants (only the one the targets use is compiled)
+    assert run.output.count("kernel gelu_f32_fp8 (ipubuild/kernels/gelu.c): compiler diagnostics:") == 1, run.output
+    assert "compiler diagnostics (cached)" not in run.output
     assert re.search(r"ipubuild/kernels/gelu\.c:\d+:\d+: warning: unused variable .unused_here.", run.output)
     for t in ("small", "small2"):
         assert "unused_here" in (tree / "artifacts" / t / "build.log").read_text(), t
@@ -362,13 +377,14 @@ def test_compiler_warnings_are_shown_once_replayed_from_the_cache_and_werror_fai
     assert doit(tree, "forget", environ=quiet(tree, own)).returncode == 0
     run = doit(tree, "build", environ=quiet(tree, own))
     assert run.returncode == 0, run.tail()
-    assert run.output.count("kernel gelu_f32: compiler diagnostics (cached):") == 1, run.output
+    assert run.output.count("kernel gelu_f32_fp8 (ipubuild/kernels/gelu.c): compiler diagnostics (cached):") == 1, \
+        run.output
     assert "unused_here" in run.output
     # -Werror through the flags: the warning fails the build, one line naming the kernel
     werror = quiet(tree, own, IPUBUILD_CFLAGS="-O2 -std=c11 -Wall -Werror -fPIC -shared")
     run = doit(tree, "build:small", environ=werror)
     assert run.returncode == 1 and "Traceback" not in run.output, run.tail()
-    assert run.error_lines[0].startswith("error: kernel gelu_f32 (ipubuild/kernels/gelu.c): compile failed: "), \
+    assert run.error_lines[0].startswith("error: kernel gelu_f32_fp8 (ipubuild/kernels/gelu.c): compile failed: "), \
         run.tail()
     assert "unused_here" in run.output
 

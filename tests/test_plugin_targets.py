@@ -70,14 +70,17 @@ def test_a_shipped_target_builds_by_name_and_its_edits_re_derive_the_graph(tmp_p
     assert "rounds = 0" in (tree / "artifacts" / "shipped_small" / "shipped_small.resolved.toml").read_text()
 
 
-def test_bare_doit_builds_the_trees_own_targets_only(tmp_path, cache):
+def test_bare_doit_builds_the_default_targets_shipped_ones_too(tmp_path, cache):
     tree = make_tree(tmp_path / "tree", {"small": SHIPPED})
-    root = plugin(tmp_path, "ships_two", {"shipped_small": SHIPPED})
+    big = SHIPPED.replace("[target]\n", "[target]\ndefault = false\n", 1)       # built only when named
+    root = plugin(tmp_path, "ships_two", {"shipped_small": SHIPPED, "shipped_big": big})
     run = doit(tree, environ=environ(tree, root, "ships_two", cache))
     assert run.returncode == 0 and "numericalTest=PASS" in run.stdout, run.tail()
     assert any(t.endswith(":small") for t in run.executed) or "-- build:small" in run.stdout, run.tail()
-    assert not [t for t in run.executed if t.endswith(":shipped_small")], run.executed
-    assert not (tree / "artifacts" / "shipped_small").exists()
+    assert (tree / "artifacts" / "shipped_small" / "shipped_small.ipuexe").is_file(), run.tail()
+    assert not [t for t in run.executed if t.endswith(":shipped_big")], run.executed
+    assert not (tree / "artifacts" / "shipped_big").exists()
+    assert "skipped 1 target marked [target] default = false: shipped_big" in run.stdout, run.tail()
 
 
 def test_a_name_both_the_tree_and_a_plugin_give_is_an_error_naming_both(tmp_path, cache):

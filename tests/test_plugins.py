@@ -193,11 +193,13 @@ def test_testing_gives_the_checked_build_the_device_runs():
     assert checked.reason() == "a[rows*cols] is not aligned to its element size"
 
 
-def test_testing_builds_a_target_in_process_with_overrides(tmp_path):
+def test_testing_builds_a_target_in_process_with_overrides(tmp_path, monkeypatch, capfd):
     from buildtree import SMALL
 
     from ipubuild import testing
+    monkeypatch.setenv("IPUBUILD_LOG", "error")        # obeyed in-process too: nothing of the log shown
     built = testing.build_target(SMALL, tmp_path / "tree", name="tiny", overrides={"search": {"rounds": 0}})
+    assert capfd.readouterr().err == ""
     assert built.passed and built.name == "tiny"
     assert (tmp_path / "tree" / "artifacts" / "tiny" / "tiny.ipuexe").is_file()
     assert "rounds = 0" in (tmp_path / "tree" / "targets" / "tiny.toml").read_text()

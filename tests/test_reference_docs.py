@@ -156,3 +156,6 @@ def test_the_testing_module_is_described():
              "ipubuild.testing"]
     missing = [n for n in names if not mentioned(n, text)]
     assert not missing, f"docs/reference.md, Testing: describe {missing}"
+    for cls in (testing.Kernel, testing.TileMemory, testing.Built, testing.VertexRun):
+        missing = [n for n in public(cls) if not mentioned(n, text)]
+        assert not missing, f"docs/reference.md, Testing: describe {cls.__name__}'s {missing}"

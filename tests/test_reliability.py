@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import re
 import shutil
 import signal
 import sqlite3
@@ -328,6 +329,10 @@ def test_kernel_compile_error_is_one_line_and_keeps_the_cache(tmp_path, code):
     assert line.startswith("error: kernel matmul_") and "matmul.c" in line and "compile failed" in line, line
     # the compiler's own diagnostics, naming the source as the user knows it
     assert "ipubuild/kernels/matmul.c:" in bad.stderr and "error" in bad.stderr, bad.tail()
+    # once for the source, naming the variants that share it (not once per variant, unnamed)
+    heads = re.findall(r"^kernel (.+) \(ipubuild/kernels/matmul\.c\): compiler diagnostics:$", bad.stderr, re.M)
+    assert len(heads) == 1 and len(heads[0].split(", ")) >= 2, bad.stderr
+    assert bad.stderr.count("int broken( {") == 1, bad.stderr
     assert not any(t.startswith(PLANNING_TASKS) for t in bad.executed), bad.executed
 
     src.write_bytes(original)

@@ -646,6 +646,10 @@ def test_a_second_tree_runs_no_phase_and_downloads_only_what_it_reads(server, fi
     blobs_down = [ln for ln in ours if ln.startswith(f"GET /{prefix}/cas/") and " 200 " in ln]
     uploaded = len(list((server.data / prefix / "cas").iterdir()))
     assert 0 < len(blobs_down) < uploaded / 10, (len(blobs_down), uploaded)   # lazily
+    # explain names the remote hits, and does not call them runs with no record
+    told = doit(tree, f"explain:{NAME}", environ=env(code, IPUBUILD_REMOTE_CACHE=server.url(prefix)))
+    assert re.search(r"tasks ran \(\d+ of them from the cache, \d+ remote: nothing computed\)", told.stdout), told.tail()
+    assert "its result came from the remote cache" in told.stdout and "no earlier run" not in told.stdout, told.tail()
 
 
 @needs_nginx

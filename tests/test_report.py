@@ -127,7 +127,9 @@ def test_the_page_carries_the_charts_data(built):
 def test_the_page_is_self_contained(built):
     page = _page(built[0])
     assert not re.search(r"https?:", page, re.I)
-    assert not re.search(r"\b(src|href)\s*=", page, re.I)
+    # the one reference: the optional marks of what moved since the previous build, beside the page
+    # (written when a build finishes; the page works without it)
+    assert re.findall(r"\b(?:src|href)\s*=\s*\S+", page, re.I) == [f'src="{NAME}.changes.js"></script>']
     assert "@import" not in page and "url(" not in page
 
 
@@ -190,7 +192,11 @@ def test_doit_profile_prints_the_top_steps(built):
     for name, k in kernels.items():
         assert rows[name][1:4] == [str(k["calls"]), f"{k['estimated_cycles']:,}", f"{k['blocks']:,}"], rows[name]
         assert rows[name][-1] == "µs" and float(rows[name][-2]) > 0, rows[name]
-    assert table[-1].startswith("host time: this machine"), table
+    notes = [i for i, ln in enumerate(table) if ln.startswith("host time: this machine")]
+    assert notes and table[notes[0] + 1] == "", table
+    # last, what moved since the previous build (none kept after one build)
+    assert table[notes[0] + 2:] == ["changes since the previous build: none kept yet (one earlier profile is kept "
+                                    "once a build rewrites it)"], table
 
 
 def test_doit_profile_of_an_unbuilt_target_is_one_line(tmp_path, built):
@@ -275,7 +281,7 @@ def test_names_cannot_break_out_of_the_embedded_data():
     d["steps"]["names"] = ["</script><script>alert(1)</script><!--"]
     d["exchanges"]["top"] = [{"step": 0, "name": "</script>", "from": 0, "to": 1, "value": "<b>v</b>", "bytes": 4}]
     page = render(d)
-    assert page.count("<script") == 2 and page.count("</script>") == 2
+    assert page.count("<script") == 4 and page.count("</script>") == 4     # data, the marks, the two scripts
     assert _data(page) == d
     assert "&lt;b&gt;v&lt;/b&gt;" in page
 

@@ -3,6 +3,7 @@ faults either heal on the next plain build (same package as a clean build) or st
 naming the fix — never a traceback, never a request to delete ``.ipubuild`` by hand."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -16,6 +17,7 @@ from buildtree import SMALL, assert_passed, doit, make_tree, package, snapshot
 from ipubuild.engine import canonical
 from ipubuild.engine.engine import PHASES, Engine, phase
 from ipubuild.engine.store import Store
+from ipubuild.compiler.search import state_bytes
 
 NAME = "small"
 TEXT = SMALL.replace("rounds = 3", "rounds = 1")
@@ -254,8 +256,11 @@ def _state(tree: Path) -> Path:
 
 
 def _resign(path: Path, state: dict) -> None:
-    data = canonical.dumps(state)
-    path.write_bytes(canonical.digest(data).encode() + b"\n" + data)
+    path.write_bytes(state_bytes(state))
+
+
+def _saved(tree: Path) -> dict:
+    return json.loads(_state(tree).read_bytes())["state"]      # plain JSON, its digest beside the state
 
 
 def _flip_round(tree: Path) -> None:
@@ -264,15 +269,13 @@ def _flip_round(tree: Path) -> None:
 
 
 def _bad_incumbent(tree: Path) -> None:
-    check, _, data = _state(tree).read_bytes().partition(b"\n")
-    state = canonical.loads(data)
+    state = _saved(tree)
     state["incumbent"]["ops"]["0"]["plan"] = 999
     _resign(_state(tree), state)
 
 
 def _wrong_cycles(tree: Path) -> None:
-    check, _, data = _state(tree).read_bytes().partition(b"\n")
-    state = canonical.loads(data)
+    state = _saved(tree)
     state["cycles"] -= 1000
     _resign(_state(tree), state)
 
@@ -281,6 +284,8 @@ def _wrong_cycles(tree: Path) -> None:
                          ids=["flipped round", "re-signed bad incumbent", "re-signed wrong cycles"])
 def test_a_tampered_search_state_never_changes_the_outcome(built, environ, reference, tamper):
     assert b'"round":1' in _state(built).read_bytes()
+    saved = json.loads(_state(built).read_bytes())          # plain JSON, the digest beside the state
+    assert set(saved) == {"sha256", "state"} and len(saved["sha256"]) == 64
     tamper(built)
     shutil.rmtree(built / ".ipubuild" / "cache")      # so that the search runs again
     run = heals(built, environ, reference)

@@ -60,7 +60,7 @@ def test_real_target_loads(monkeypatch):
     t = load_target("targets/vit_fp8.toml")
     assert t["name"] == "vit_fp8"
     assert t["path"] == "targets/vit_fp8.toml"
-    assert t["target"] == {"tile_count": 64, "machine": "ipu21", "device": "ipumodel", "seed": 0}
+    assert t["target"] == {"tile_count": 64, "machine": "ipu21", "device": "ipumodel", "seed": 0, "default": True}
     assert t["model"] == {
         "family": "vit", "passes": [], "image_size": 224, "channels": 3, "patch": 16, "width": 192,
         "heads": 3, "mlp": 768, "blocks": 1, "classes": 1000,
@@ -109,7 +109,8 @@ def test_dumped_target_reloads_identically(in_tmp):
 def test_defaults_filled_and_order(in_tmp):
     rel = _write(in_tmp, "[target]\ntile_count = 1\n[model]\nfamily = 'vit'\n", "min.toml")
     t = load_target(rel)
-    assert t["target"] == {"tile_count": 1, "machine": "ipu21", "device": "ipumodel", "seed": 0}
+    assert t["target"] == {"tile_count": 1, "machine": "ipu21", "device": "ipumodel", "seed": 0,
+                           "default": True}
     assert t["model"] == {"family": "vit", "passes": []}
     assert t["casts"]["storage"] == {"default": "separate", "operators": {}, "sites": {}}
     assert t["search"]["proposals"] == 640

@@ -81,9 +81,18 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
                       "files": files, "file_dep": [str(ws.ref_path(a).relative_to(root)) for a, _ in files],
                       "verdict_file": str(out / f"{t}.verdict.json"), "profile_file": str(out / f"{t}.profile.json"),
                       "package_file": str(out / f"{t}.ipuexe"), "resolved": dump_resolved(target).decode(),
-                      **shipped})
+                      "default": target["target"]["default"], **shipped})
         tasks += [{"kind": kind, "target": t, "doc": doc.format(t)} for kind, doc in COMMANDS.items()]
     memo.save()
+    # `doit kernel:<variant>`: one kernel variant on its own (ipubuild.build.kernel_cli)
+    from ..graph.operators import registry
+    try:
+        variants = sorted(registry().kernels)
+    except Exception:  # noqa: BLE001 - a broken operator plugin: the builds report it
+        variants = []
+    tasks += [{"kind": "kernel", "variant": name, "doc": f"compile kernel variant {name}, run it on random inputs "
+               "of the shapes a target gives it against its reference; host time and basic blocks"}
+              for name in variants]
     return {"tasks": tasks, "groups": group_docs(tasks), "watched": watched, "provisional": provisional}
 
 
@@ -102,9 +111,12 @@ def group_docs(entries: list) -> dict:
                  if e["kind"] == "broken" and e["name"] != "all" and bool(e.get("plugin")) == plugin])
     (own_ok, own_bad), (shipped_ok, shipped_bad) = named(False), named(True)
     ok = own_ok + shipped_ok
-    docs = {"build": f"compile, package, run on the device and check a target (bare `doit`: the tree's own): "
+    docs = {"build": f"compile, package, run on the device and check a target (bare `doit`: those not marked "
+                     f"[target] default = false): "
                      f"{', '.join(own_ok + own_bad + shipped_ok + shipped_bad)}"}
     docs.update((kind, doc.format("a target") + f": {', '.join(ok)}") for kind, doc in COMMANDS.items())
+    docs["kernel"] = ("run one kernel variant against its reference, timed and counted (--target T, --repeat N, "
+                      "--seed S, --inputs a.npy,b.npy)")
     for e in entries:
         if e["kind"] == "step":
             s = e["step"]

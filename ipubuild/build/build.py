@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..engine.errors import UserError
 from ..compiler.kernels import COUNTER, compiler, compiler_identity, kernel_sources
 from ..compiler.machine import MACHINES, load_machine
 from ..graph.operators import registry
@@ -159,13 +160,25 @@ def all_steps(target: dict, root: Path) -> list[Step]:
 
 def build_in_process(root, target_file) -> dict:
     """Build a target without doit (tests, benchmarks): run every step through the engine and
-    return ``{artifact: digest}``."""
+    return ``{artifact: digest}``. ``IPUBUILD_LOG``, if set, chooses what of the log reaches the
+    console, as in a doit run."""
+    from ..ui.console import LOG_LEVELS
+    from ..engine.log import log
     from .pipeline import Workspace
     from ..compiler.targets import load_target
-    ws = Workspace.at(root)
-    target = load_target(os.path.relpath(Path(target_file).resolve(), ws.root), root=ws.root)
-    out = {}
-    for step in all_steps(target, ws.root):
-        result = ws.execute(step)
-        out.update({a: result.outputs[s] for s, a in step.outputs.items()})
-    return out
+    setting = os.environ.get("IPUBUILD_LOG", "").strip().lower()
+    level = log.level
+    if setting:
+        if setting not in LOG_LEVELS:
+            raise UserError("IPUBUILD_LOG", f"{setting!r}: expected debug, info, warning or error")
+        log.level = LOG_LEVELS[setting]
+    try:
+        ws = Workspace.at(root)
+        target = load_target(os.path.relpath(Path(target_file).resolve(), ws.root), root=ws.root)
+        out = {}
+        for step in all_steps(target, ws.root):
+            result = ws.execute(step)
+            out.update({a: result.outputs[s] for s, a in step.outputs.items()})
+        return out
+    finally:
+        log.level = level

@@ -36,9 +36,12 @@ def profile(root: Path, entry: dict):
     path = root / "artifacts" / t / f"{t}.profile.json"
 
     def lines():
+        from ..ui.profile_diff import changes
         yield from top_steps_table(read_profile(path, t, shown=os.path.relpath(path, root)))
         yield ""
         yield from profile_lines(root, t)
+        yield ""
+        yield from changes(root, t)
     return _lines(lines)
 
 
@@ -77,7 +80,8 @@ def clean_build(root: Path, entry: dict, dryrun: bool = False):
     """Remove what ``build:<target>`` wrote, and the target's files the build restores."""
     t = entry["target"]
     out = Path("artifacts") / t
-    paths = [out / name for name in ("build.log", "build.trace.json", f"{t}.resolved.toml")]
+    paths = [out / name for name in ("build.log", "build.trace.json", f"{t}.resolved.toml", f"{t}.changes.js",
+                                     f"{t}.profile.previous.json", f"{t}.kernels.previous.json")]
     paths += [Path(p) for _, p in entry["files"]]
     for p in paths:
         if (root / p).is_file():

@@ -26,6 +26,7 @@ from ..engine.files import file_digest, write_atomic
 from ..engine.log import fields, log
 
 SHARED = "@shared"
+NO_RECORD = "no earlier run of it in this tree is recorded"
 _run: dict = {"started": None, "shared": [], "targets": {}}
 _ledgers: dict[str, dict] = {}
 
@@ -57,7 +58,7 @@ def reasons(prev: dict | None, cur: dict, missing: list[str], doit_knew: bool, r
     """Why a task with dependencies ``cur`` ran, given ``prev`` (its ledger entry), the outputs
     doit found ``missing`` and whether doit had a record of it."""
     if prev is None:
-        return ["no earlier run of it is recorded (the first build here, or its record was lost)"]
+        return [f"{NO_RECORD} (the first build here, or its record was lost)"]
     out = []
     for kind in ("sources", "inputs"):
         for name, (a, b) in _changed(prev.get(kind, {}), cur[kind]):
@@ -137,7 +138,7 @@ def watch(ws, entry: dict, entries: list, doit_knew: bool):
     log.listeners.append(listen)
     t0 = time.perf_counter()
     try:
-        yield
+        yield rec       # the caller sets rec["cache"]: "local" / "remote" when the result was a hit
     except BaseException as exc:
         rec["failed"] = "interrupted" if isinstance(exc, KeyboardInterrupt) else str(exc) or type(exc).__name__
         raise
@@ -210,11 +211,22 @@ def report(root, target: str) -> list[str]:
         raise UserError(f"explain:{target}", f"no build of {target} has run a task in this tree yet; "
                         f"run `doit build:{target}` first") from None
     ran = {r["task"] for r in records}
+    hits = [r for r in records if r.get("cache")]
+    remote = sum(r["cache"] == "remote" for r in hits)
+    came = (f" ({len(hits)} of them from the cache{f', {remote} remote' if remote else ''}: nothing computed)"
+            if hits else "")
     lines = [f"{target}: the last build that ran tasks started {run['started']}; {len(ran)} of "
-             f"{len(graph)} tasks ran, the others were up to date"]
+             f"{len(graph)} tasks ran{came}, the others were up to date"]
     for r in records:
-        lines.append(f"{r['task']} ran ({r.get('ms', 0) / 1000:.1f} s)")
-        lines += [f"    because {reason}" for reason in r["reasons"]]
+        where = {"local": "; its result came from the local cache",
+                 "remote": "; its result came from the remote cache (the shared tier)"}.get(r.get("cache"), "")
+        lines.append(f"{r['task']} ran ({r.get('ms', 0) / 1000:.1f} s){where}")
+        reasons = r["reasons"]
+        if r.get("cache") and reasons and reasons[0].startswith(NO_RECORD):
+            # a hit: doit ran it to look it up, nothing was computed
+            reasons = [f"this tree had no record of it (a new tree, or a lost record), and the {r['cache']} "
+                       "cache had its result for the same inputs", *reasons[1:]]
+        lines += [f"    because {reason}" for reason in reasons]
         lines += [f"    it {note}" if not note.startswith("warning") else f"    {note}" for note in r.get("notes", [])]
         if "failed" in r:
             lines.append(f"    and failed: {r['failed']}")

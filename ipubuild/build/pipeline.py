@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import re
 import threading
 from pathlib import Path
@@ -215,9 +216,14 @@ class Workspace:
             write_if_changed(path, self.fetch_artifact(artifact))
 
     def restore(self, path: Path, digest: str) -> bool:
-        """Make the file at ``path`` hold the blob ``digest`` (unless it already does)."""
+        """Make the file at ``path`` hold the blob ``digest`` (unless it already does); a profile
+        it replaces is kept as the previous build's (``ipubuild.ui.profile_diff``)."""
         if self.digests.digest(path) == digest:
             return False
+        from ..ui.profile_diff import previous_path
+        kept = previous_path(Path(path))
+        if kept is not None and Path(path).is_file():
+            os.replace(path, kept)
         write_if_changed(path, self.engine.fetch(digest))
         return True
 

@@ -153,12 +153,22 @@ def tasks_of(root: Path, defaults: list | None = None, verbose: bool = True):
             yield {"basename": task["basename"], "name": None, "doc": docs.pop(task["basename"])}
         yield task
     if defaults is not None and any("build" in (e["kind"], e.get("basename")) for e in entries):
-        # a target a plugin ships is built when named, never by bare `doit`
-        shipped = {e.get("target", e.get("name")) for e in entries if e.get("plugin")}
-        builds = ["build"] if not shipped else [f"build:{e.get('target', e.get('name'))}" for e in entries
-                                                if "build" in (e["kind"], e.get("basename")) and not e.get("plugin")]
-        defaults[:] = builds + [f"{e['step']['task']}:{e['step']['name']}" for e in entries
-                                if e["kind"] == "step" and e["meta"].get("target") not in shipped]
+        # bare `doit` builds every target but those marked `[target] default = false` (built when
+        # named), and says which it skipped
+        optout = sorted(e["target"] for e in entries if e["kind"] == "build" and e.get("default") is False)
+        builds = [f"build:{e.get('target', e.get('name'))}" for e in entries
+                  if "build" in (e["kind"], e.get("basename")) and e.get("target") not in optout]
+        defaults[:] = (["_skipped"] if optout else []) + builds + [f"{e['step']['task']}:{e['step']['name']}" for e in entries
+                                if e["kind"] == "step" and e["meta"].get("target") not in optout]
+        if optout:
+            yield {"basename": "_skipped", "actions": [(_skipped, [optout])], "uptodate": [False],
+                   "doc": "bare `doit`: say which targets it does not build ([target] default = false)"}
+
+
+def _skipped(targets: list):
+    n = len(targets)
+    console.say(f"skipped {n} target{'s' if n != 1 else ''} marked [target] default = false: "
+                f"{', '.join(targets)} (build one by name: doit build:{targets[0]})\n")
 
 
 def _analyse(root: Path, previous: dict | None) -> dict:
@@ -204,9 +214,28 @@ def task_of(root: Path, e: dict, entries: list, verbose: bool = True) -> dict:
     if kind == "broken":
         return {"basename": e["basename"], "name": e["name"], "actions": [(_broken, [e])], **v,
                 "doc": f"error: {e['message']}"}
+    if kind == "kernel":        # `doit kernel:<variant> [--target T --repeat N --seed S --inputs a.npy,...]`
+        return {"basename": "kernel", "name": e["variant"], "uptodate": [False], "doc": e["doc"], **v,
+                "actions": [(_kernel, [root, e["variant"]])],
+                "params": [{"name": "target", "long": "target", "default": "", "help": "take the shapes from this target"},
+                           {"name": "repeat", "long": "repeat", "type": int, "default": 20, "help": "timed calls"},
+                           {"name": "seed", "long": "seed", "type": int, "default": 0, "help": "seed of the inputs"},
+                           {"name": "inputs", "long": "inputs", "default": "",
+                            "help": "the operation's inputs as .npy files, comma-separated"}]}
     # a command around the builds: explain, inspect, profile (per target), plugins
     return {"basename": kind, **({"name": e["target"]} if "target" in e else {}), "uptodate": [False],
             "actions": [(_command, [kind, root, e])], "doc": e["doc"], **v}
+
+
+def _kernel(root: Path, variant: str, target="", repeat=20, seed=0, inputs=""):
+    from .kernel_cli import run_kernel
+    try:
+        ok, lines = run_kernel(root, variant, target=target, repeat=repeat, seed=seed, inputs=inputs)
+    except Exception as exc:  # noqa: BLE001 - one line
+        return _failure(exc, f"kernel:{variant}")
+    console.say("".join(ln + "\n" for ln in lines))
+    bad = next((ln.strip() for ln in lines if ": FAIL" in ln), lines[-1])
+    return None if ok else TaskFailed(f"kernel {variant}: {bad}")
 
 
 def _command(name: str, root: Path, entry: dict):
@@ -267,8 +296,11 @@ def _run_step(root: Path, entry: dict, entries: list, signature: Signature):
         ws = None
         try:
             ws = workspace(root, entries)
-            with watch(ws, entry, entries, signature.recorded):
+            with watch(ws, entry, entries, signature.recorded) as rec:
                 result = ws.execute(Step.from_json(entry["step"]))
+                if result.hit:
+                    rec["cache"] = "remote" if result.remote else "local"
+            console.came_from(entry["meta"].get("target"), result.hit, result.remote)
             if result.hit and "diagnostics" in result.outputs:   # a tool's warnings, from the cache
                 from ..engine.log import log
                 for what, text in ws.engine.decoded(result.outputs["diagnostics"]).items():
@@ -327,12 +359,13 @@ class Finish:
         memo.save()
         verdict = json.loads((root / entry["verdict_file"]).read_bytes())
         write_if_changed(root / "artifacts" / t / f"{t}.resolved.toml", entry["resolved"].encode())
+        _write_changes(root, t)
         if _executed[0]:
             from ..engine.log import write_trace
             write_trace(root / "artifacts" / t / "build.trace.json", f"doit build:{t}")
         cost = verdict["cost"]
         verdict_word = "PASS" if verdict["pass"] else "FAIL"
-        device_word = "PASS" if verdict["device_ok"] else "FAIL"
+        from ..device.verdict import device_word
         console.closing(t,
             f"final_cycles={cost['final_cycles']} final_exchange={cost['final_exchange']} "
             f"lower_bound={cost['lower_bound']} peak_bound={cost.get('peak_bound')}\n"
@@ -343,7 +376,7 @@ class Finish:
             f"referenceMinimumCosineSimilarity={verdict['min_cosine']}\n"
             f"referenceMaximumAbsoluteError={verdict['max_abs_error']} numericalTest={verdict_word}\n"
             f"package={entry['package_file']} tiles={verdict['tiles']} "
-            f"device={entry['device']} deviceTest={device_word}\n")
+            f"device={entry['device']} deviceTest={device_word(verdict)}\n")
         ws = _workspaces.get(root)
         if ws is not None and ws.store.remote is not None:   # what the shared cache did
             console.say(ws.store.remote.summary() + "\n")
@@ -365,6 +398,17 @@ def _onnxruntime_line(root: Path, entry: dict) -> str:
         return closing_line(json.loads((root / path).read_bytes())) + "\n"
     except (OSError, ValueError):
         return "onnxruntime: no comparison: its report is unreadable\n"
+
+
+def _write_changes(root: Path, t: str) -> None:
+    """``<t>.changes.js`` beside the profile page: what moved since the previous build, which the
+    page marks (``ipubuild.ui.profile_diff``); written only when it changes."""
+    from ..ui.profile_diff import changes, marks, of_target
+    d = of_target(root, t)
+    lines = changes(root, t)[1:] if d is not None else []
+    value = {"lines": [ln.strip() for ln in lines if ln.strip() != "nothing moved"], "marks": marks(d)}
+    write_if_changed(root / "artifacts" / t / f"{t}.changes.js",
+                     f"window.IPUBUILD_CHANGES = {json.dumps(value, sort_keys=True)};\n".encode())
 
 
 def _read_ref(root: Path, artifact: str) -> str | None:

@@ -276,6 +276,9 @@ class LayerNorm(RowwiseOperator):
                                f32_bits(op.attrs["eps"]), *_epilogue(op)])])
         return Lowering([_rows_work(x.rows, plan, work)])
 
+    def variants(self, graph, op):
+        return ["layernorm_f32" + ("_fp8" if _folded(op) else "")]      # the one lower() calls
+
     def kernels(self):
         return [_variant("layernorm_f32", "layernorm.c", layernorm_cycles),
                 _variant("layernorm_f32_fp8", "layernorm.c", layernorm_fp8_cycles, FP8_OUT=1)]
@@ -350,6 +353,11 @@ class Gelu(ElementwiseOperator):
                             [("gelu_f32" + ("_fp8" if _folded(op) else ""),
                               [("r", 0, 0), ("w", 0, 0), (r1 - r0) * (c1 - c0), *_epilogue(op)])])
         return Lowering([_block_work(x, plan, work)])
+
+    def variants(self, graph, op):
+        # the one lower() calls: a gelu edit compiles only it (the default, every variant of
+        # kernels(), compiled gelu_f32 for targets whose gelu has its cast folded in)
+        return ["gelu_f32" + ("_fp8" if _folded(op) else "")]
 
     def kernels(self):
         return [_variant("gelu_f32", "gelu.c", gelu_cycles),

@@ -25,6 +25,7 @@ import signal
 import struct
 import subprocess
 import tempfile
+import threading
 from pathlib import Path, PurePosixPath
 
 from ..engine import canonical
@@ -127,15 +128,27 @@ def compiler_identity(cc: str, memo=None) -> tuple[dict, list[str]]:
 _INCLUDE = re.compile(rb'^\s*#\s*include\s*"([^"]+)"', re.M)
 
 
+#: the slot folder of ipubuild's own kernel headers (``ipu_kernel.h``), on every kernel's include
+#: path: a plugin kernel's ``#include "ipu_kernel.h"`` finds the installed header
+HEADER_SLOT = "ipubuild/kernels"
+
+
+def header_sources() -> dict[str, Path]:
+    """``{slot: file}`` of ipubuild's installed kernel headers (``ipu_kernel.h``)."""
+    return {f"{HEADER_SLOT}/{f.name}": f for f in sorted(KERNEL_DIR.glob("*.h"))}
+
+
 def included(source_slot: str, sources: dict[str, bytes]) -> list[str]:
     """The slots of every local header a source includes, transitively (quoted includes,
-    resolved beside the including file)."""
+    resolved beside the including file, else among ipubuild's headers: ``HEADER_SLOT``)."""
     seen: list[str] = []
     todo = [source_slot]
     while todo:
         slot = todo.pop()
         for name in _INCLUDE.findall(sources[slot]):
             h = str(PurePosixPath(slot).parent / name.decode())
+            if h not in sources:
+                h = f"{HEADER_SLOT}/{name.decode()}"
             if h in sources and h not in seen:
                 seen.append(h)
                 todo.append(h)
@@ -159,7 +172,7 @@ def kernel_sources(registry) -> dict[str, Path]:
         for f in sorted(folder.iterdir()):
             if f.suffix in SOURCE_SUFFIXES and f.is_file():
                 out[source_slot(f)] = f
-    return out
+    return {**header_sources(), **out}
 
 
 def text_bytes(elf: bytes) -> int:
@@ -193,7 +206,9 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
             (Path(tmp) / slot).parent.mkdir(parents=True, exist_ok=True)
             (Path(tmp) / slot).write_bytes(data)
         cwd = (Path(tmp) / where).parent
-        cmd = [*shlex.split(cc), *shlex.split(cflags), *[f"-D{k}={v}" for k, v in defines],
+        # ipubuild's headers on the include path (after the source's own folder)
+        include = ["-iquote", str(Path(tmp) / HEADER_SLOT)] if (Path(tmp) / HEADER_SLOT).is_dir() else []
+        cmd = [*shlex.split(cc), *shlex.split(cflags), *include, *[f"-D{k}={v}" for k, v in defines],
                "-o", str(Path(tmp) / "kernel.so"), source_name, *extra, "-lm"]
         try:
             proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, preexec_fn=_cpu_limit())
@@ -202,21 +217,57 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) or "CPU time limit" in proc.stderr:
             raise UserError(f"kernel {name} ({where})", f"the C compiler used more than {COMPILER_CPU_SECONDS} s "
                             "of CPU; check the source or IPUBUILD_CFLAGS")
-        diagnostics = proc.stderr.replace(source_name, where)
+        diagnostics = proc.stderr.replace(f"{tmp}/", "").replace(source_name, where)
         obj = (Path(tmp) / "kernel.so").read_bytes() if proc.returncode == 0 else b""
         return proc.returncode, obj, diagnostics
 
 
 def compile_kernel(name: str, source_name: str, source: bytes, headers: dict[str, bytes],
-                   defines: list, cc: str, cflags: str, where: str) -> tuple[bytes, str]:
-    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure prints the
-    compiler's diagnostics and raises a one-line error naming the kernel."""
+                   defines: list, cc: str, cflags: str, where: str, *, record: bool = True) -> tuple[bytes, str]:
+    """Compile one variant in a scratch folder: ``(object, diagnostics)``. A failure raises a
+    one-line error naming the kernel, with the compiler's output in its ``diagnostics``
+    (``record``: also kept for ``compile_kernels`` to print, once per source)."""
     code, obj, diagnostics = run_compiler(name, source_name, {where: source, **headers}, where, defines, cc, cflags)
     if code != 0:
-        log.diagnostics(diagnostics)
         first = next((ln for ln in diagnostics.splitlines() if "error" in ln), "see the diagnostics above")
-        raise UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
+        exc = UserError(f"kernel {name} ({where})", "compile failed: " + first.strip())
+        exc.diagnostics, exc.variant, exc.source = diagnostics, name, where
+        if record:
+            with _failed_lock:      # compile_kernels prints them once per source (variants named)
+                _failed.append(exc)
+        raise exc
     return obj, diagnostics
+
+
+# the compile failures of this process not yet reported (compile_kernels groups them by source)
+_failed: list = []
+_failed_lock = threading.Lock()
+
+
+def by_source(items) -> dict[tuple[str, str], list[str]]:
+    """``{(source slot, diagnostics): [variant, ...]}`` of ``(variant, slot, text)`` items: the
+    variants of one source usually say the same thing, which is then shown once."""
+    out: dict = {}
+    for name, slot, text in items:
+        out.setdefault((slot, text), []).append(name)
+    return out
+
+
+def report_failures(failure: Exception) -> Exception:
+    """The compile failures recorded since the last call: their diagnostics printed once per
+    source and text, naming the variants; and the error to raise, naming every variant of the
+    first failing source."""
+    with _failed_lock:
+        failed, _failed[:] = list(_failed), []
+    if not failed:
+        return failure
+    groups = by_source((e.variant, e.source, e.diagnostics) for e in failed)
+    for (slot, text), names in groups.items():
+        log.diagnostics(f"kernel {', '.join(names)} ({slot}): compiler diagnostics:\n{text}")
+    (slot, _), names = next(iter(groups.items()))
+    exc = UserError(f"kernel {', '.join(names)} ({slot})", failed[0].message)
+    exc.diagnostics = failed[0].diagnostics
+    return exc
 
 
 @phase("compile_kernel", inputs=("source", "header/*"), outputs=("object", "code_size", "diagnostics"),
@@ -299,21 +350,29 @@ def compile_kernels(ctx):
     names = sorted(jobs)        # compiled concurrently here, or on a cluster
     counted_jobs = [("compile_counted_kernel", {**jobs[n][0], "counter": ctx.digest("counter")}, jobs[n][1])
                     for n in names] if counting(ctx.config) else []
-    results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
-                         threads=os.cpu_count() or 1)
+    try:
+        results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
+                             threads=os.cpu_count() or 1)
+    except UserError as exc:        # every failed variant has finished: their diagnostics once per source
+        raise report_failures(exc) from None
     quantum = ctx.config["kernel_quantum"]
     objects, sizes, reserved, warnings = {}, {}, {}, {}
+    said = []
     for name, r in zip(names, results):
         if not r.hit:
             log.info("compiled kernel variant", variant=name, elapsed_ms=r.elapsed_ms)
         diagnostics = ctx.engine.fetch(r.outputs["diagnostics"]).decode()
         if diagnostics.strip():         # replayed on a cache hit too (once a run), as Bazel replays stderr
-            what = f"kernel {name}: compiler diagnostics"
-            warnings[what] = diagnostics
-            log.diagnostics(f"{what}{' (cached)' if r.hit else ''}:\n{diagnostics}", once=(what, diagnostics))
+            said.append((name, jobs[name][1]["kernel"]["where"], diagnostics, r.hit))
         objects[name] = r.outputs["object"]
         sizes[name] = ctx.engine.decoded(r.outputs["code_size"])["code_bytes"]
         reserved[name] = reserve(sizes[name], quantum)
+    hits = {name for name, _, _, hit in said if hit}
+    for (slot, text), variants in by_source((n, w, d) for n, w, d, _ in said).items():
+        what = f"kernel {', '.join(variants)} ({slot}): compiler diagnostics"
+        warnings[what] = text
+        cached = " (cached)" if set(variants) <= hits else ""
+        log.diagnostics(f"{what}{cached}:\n{text}", once=(what, text))
     counted, notes = {}, {}
     for name, r in zip(names, results[len(names):]):
         note = ctx.engine.fetch(r.outputs["note"]).decode()

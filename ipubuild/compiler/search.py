@@ -232,10 +232,17 @@ def state_path(ctx) -> Path:
     return Path(ctx.engine.store.root).parent / "search" / f"{ctx.config['name']}.state.json"
 
 
-def _save(path: Path, state: dict) -> None:
-    """Save the state atomically, behind the sha256 of its bytes (``<digest>\n<state>``)."""
+def state_bytes(state: dict) -> bytes:
+    """A state file's bytes: plain JSON, ``{"sha256": <digest of the state's canonical JSON>,
+    "state": {...}}`` (``json.load`` reads it; the digest tells an edited or damaged one)."""
     data = canonical.dumps(state)
-    write_atomic(path, canonical.digest(data).encode() + b"\n" + data)
+    return canonical.dumps({"sha256": canonical.digest(data), "state": state})
+
+
+def _save(path: Path, state: dict) -> None:
+    """Save the state atomically, with the sha256 of its canonical JSON beside it (``state_bytes``)."""
+    data = state_bytes(state)
+    write_atomic(path, data)
     log.info("saved mid-plan search state", path=os.path.relpath(path), attempts=state["attempts"], bytes=len(data))
 
 
@@ -256,13 +263,17 @@ def read_state(path: Path) -> dict | None:
     except OSError as exc:
         log.warning("ignored unreadable search state", path=os.path.relpath(path), error=type(exc).__name__)
         return None
-    check, _, data = raw.partition(b"\n")
     state = None
-    if check.decode(errors="replace") == canonical.digest(data):
-        try:
+    try:
+        check, _, data = raw.partition(b"\n")
+        if len(check) == 64 and check.decode() == canonical.digest(data):    # the first edition's form
             state = canonical.loads(data)
-        except ValueError:
-            state = None
+        else:
+            saved = canonical.loads(raw)
+            if isinstance(saved, dict) and saved.get("sha256") == canonical.digest_of(saved.get("state")):
+                state = saved["state"]
+    except (ValueError, TypeError):
+        state = None
     if not isinstance(state, dict) or any(not isinstance(state.get(k), t) or isinstance(state.get(k), bool)
                                           for k, t in STATE_KEYS.items()) \
             or any(not isinstance(state.get(k, t()), t) for k, t in STATE_OPTIONAL.items()):
@@ -348,7 +359,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             screened = screen_round(proposals, incumbent, sc, visited, cfg["shortlist"], [h.name for h in found])
             per = screened.heuristics
             log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
-                     **screened.invalid, **_by_heuristic(per, ("proposed", "fit", "cheaper", "shortlisted")))
+                     **screened.invalid, **_by_heuristic(per, ROUND_FIELDS))
             screen_s = time.perf_counter() - t0
             sc.estimator.forget()
             shortlist = screened.shortlist[:cfg["evaluations"] - state["attempts"]]
@@ -571,6 +582,11 @@ def screen(proposals, incumbent, sc, visited, shortlist_size):
     s = screen_round([p if isinstance(p, tuple) else ("", p) for p in proposals], incumbent, sc, visited,
                      shortlist_size)
     return s.counts, [(pid, layout, ch) for pid, layout, ch, _ in s.shortlist]
+
+
+#: each heuristic's counts on the round's log line (after ``fit``, the unscreened and invalid
+#: ones that are not 0): every screening count, so that they add up to ``proposed``
+ROUND_FIELDS = ("proposed", "fit", "visited", "deduplicated", "cheaper", "shortlisted")
 
 
 def _by_heuristic(per: dict, keys) -> dict:

@@ -294,6 +294,7 @@ CORE_SCHEMA: dict[str, dict[str, Field]] = {
         "machine": Field(str, "ipu21", doc="Machine description the cost model uses."),
         "device": Field(str, "ipumodel", doc="Registered device that runs the program."),
         "seed": Field(int, 0, min=0, doc="Seed for weights and inputs."),
+        "default": Field(bool, True, doc="Whether bare `doit` builds it (false: only when named)."),
     },
     "model": {
         "family": Field(str, doc="Registered model family; its builder checks the other [model] keys."),

@@ -149,6 +149,7 @@ def check_numerics(ctx):
         "thresholds": {"min_cosine": n["min_cosine"], "max_abs_error": n["max_abs_error"]},
         "operations": operations,
         "device_ok": bool(profile.get("ok", False)), "device_failures": profile.get("failures", []),
-        "device_failure_count": profile.get("failure_count", 0), "samples": profile.get("samples", 0),
+        "device_failure_count": profile.get("failure_count", 0),
+        **({"unchecked": profile["unchecked"]} if profile.get("unchecked") else {}), "samples": profile.get("samples", 0),
         "tiles": profile.get("tiles", 0), "total_cycles": profile.get("total_cycles", 0),
         "cost": {k: v for k, v in ctx.json("cost").items() if k != "steps"}})}

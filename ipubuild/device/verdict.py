@@ -37,6 +37,17 @@ def device_failure(f: dict) -> str:
             f"{f['reason']}")
 
 
+def device_word(verdict: dict) -> str:
+    """The closing line's ``deviceTest=`` value: PASS or FAIL, and the kernel variants that ran
+    without the checked build's buffer checks, if any (``PASS (2 kernel variants unchecked: a, b)``)."""
+    word = "PASS" if verdict["device_ok"] else "FAIL"
+    unchecked = verdict.get("unchecked") or []
+    if unchecked:
+        n = len(unchecked)
+        word += f" ({n} kernel variant{'s' if n != 1 else ''} unchecked: {', '.join(unchecked)})"
+    return word
+
+
 def failure_line(verdict: dict, target_path: str, device: str) -> str | None:
     """Why the build failed, in one line (None if it passed): the device's first failure, else
     the first diverging operation, else the gates the outputs failed."""

@@ -121,6 +121,7 @@ class Result:
     hit: bool
     elapsed_ms: int
     key: str
+    remote: bool = False        # a hit found in the shared (remote) tier, not the local cache
 
 
 class Engine:
@@ -164,7 +165,8 @@ class Engine:
             recorded = self.store.get_action(key)
             if recorded is not None:
                 self._count("hit")
-                return Result(recorded, True, int((time.perf_counter() - t0) * 1000), key)
+                return Result(recorded, True, int((time.perf_counter() - t0) * 1000), key,
+                              remote=getattr(self.store, "last_hit_remote", lambda: False)())
         self._count("miss")
         subset = config_subset(config, ph.config)
         # the phase sees only the configuration it declared: an undeclared read fails at once

@@ -35,6 +35,7 @@ from .registry import SHARED_TIER
 
 DEFAULT_SIZE_LIMIT = 4 * 2**30
 PROVENANCE_KEPT = 4          # producers remembered per blob (newest first)
+_origin = threading.local()  # .remote: whether this thread's last action record came from the shared tier
 
 # SQLite's primary result codes (sqlite3.Error.sqlite_errorcode & 0xFF)
 _SQLITE_READONLY, _SQLITE_CORRUPT, _SQLITE_CANTOPEN, _SQLITE_FULL, _SQLITE_NOTADB = 8, 11, 14, 13, 26
@@ -261,14 +262,21 @@ class Store:
         """The output digests recorded for an action key, or None (asking the shared tier, if any:
         its record comes with how to rebuild each output, kept first)."""
         record = self._get_record("ac:" + action_key)
+        _origin.remote = False
         if self.remote is not None:
             found = self.remote.get_action(action_key, local_hit=record is not None)   # verified
+            _origin.remote = found is not None
             if found is not None:
                 record, provenance = found
                 for digest, prov in provenance.items():
                     self._put_record("prov:" + digest, prov)
                 self._put_record("ac:" + action_key, record)
         return record
+
+    @staticmethod
+    def last_hit_remote() -> bool:
+        """Whether this thread's last ``get_action`` found its record in the shared tier."""
+        return getattr(_origin, "remote", False)
 
     def put_action(self, action_key: str, outputs: dict) -> None:
         self._put_record("ac:" + action_key, outputs)

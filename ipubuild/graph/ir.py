@@ -124,20 +124,28 @@ class Graph:
             op.id = i
 
     # rewriting (graph passes) ---------------------------------------------------------------
-    def replace_op(self, op: Op, type: str, inputs, **attrs) -> None:
-        """Make ``op`` an operation of ``type`` reading ``inputs`` with attributes ``attrs``, in
-        place: its outputs keep their ids and names, their types inferred again (call ``infer``
-        if that changed a dtype or shape others read). ValueError if ``type`` gives another
-        number of outputs."""
+    def replace_op(self, op: Op | str, type: str, inputs, *, name: str | None = None, **attrs) -> None:
+        """Make ``op`` (an operation, or its name) an operation of ``type`` reading ``inputs``
+        with attributes ``attrs``, in place: its outputs keep their ids, their types inferred
+        again (call ``infer`` if that changed a dtype or shape others read). It keeps its name
+        unless ``name`` gives a new one (its outputs then are ``<name>``, ``<name>.out1``, …).
+        ValueError if ``type`` gives another number of outputs, or no operation has that name."""
         from .operators import registry
-        new = Op(op.id, type, op.name, list(inputs), list(op.outputs), dict(attrs))
+        if isinstance(op, str):
+            found = [o for o in self.ops if o.name == op]
+            if not found:
+                raise ValueError(f"replace_op: no operation named {op!r}")
+            op = found[0]
+        new = Op(op.id, type, name or op.name, list(inputs), list(op.outputs), dict(attrs))
         types = registry().get(type, where=f"operation {op.name}").infer_types(self, new)
         if len(types) != len(op.outputs):
             raise ValueError(f"operation {op.name}: a {type} gives {len(types)} outputs, not {len(op.outputs)}")
-        op.type, op.inputs, op.attrs = type, new.inputs, new.attrs
-        for vid, (shape, dtype, scale) in zip(op.outputs, types):
+        op.type, op.inputs, op.attrs, op.name = type, new.inputs, new.attrs, new.name
+        for i, (vid, (shape, dtype, scale)) in enumerate(zip(op.outputs, types)):
             v = self.values[vid]
             v.shape, v.dtype, v.scale_exp = tuple(shape), dtype, scale
+            if name:
+                v.name = f"{name}.out{i}" if i else name
 
     def replace_uses(self, old: int, new: int, skip=()) -> int:
         """Make every operation that reads value ``old`` (but the operations in ``skip``) read
@@ -158,17 +166,32 @@ class Graph:
         return changed
 
     def infer(self) -> None:
-        """Infer every operation's output shapes and dtypes again, in order (after a rewrite
-        changed what they read); an operation's ``scale_exp`` follows too, but a cast's, which
-        its attributes fix."""
+        """Infer every operation's output shapes, dtypes and ``scale_exp`` again from its inputs
+        and attributes, in order (after a rewrite changed what they read, or an attribute such
+        as a cast's ``scale_exp``)."""
         from .operators import registry
         reg = registry()
         for op in self.ops:
             types = reg.get(op.type, where=f"operation {op.name}").infer_types(self, op)
             for vid, (shape, dtype, scale) in zip(op.outputs, types):
-                self.values[vid].shape, self.values[vid].dtype = tuple(shape), dtype
-                if op.type != "cast":
-                    self.values[vid].scale_exp = scale
+                v = self.values[vid]
+                v.shape, v.dtype, v.scale_exp = tuple(shape), dtype, scale
+
+    def stale(self) -> list[str]:
+        """The outputs whose recorded shape, dtype or ``scale_exp`` is not what their operation
+        infers from its inputs and attributes now (``infer`` was not called after a change)."""
+        from .operators import registry
+        reg = registry()
+        out = []
+        for op in self.ops:
+            types = reg.get(op.type, where=f"operation {op.name}").infer_types(self, op)
+            for vid, (shape, dtype, scale) in zip(op.outputs, types):
+                v = self.values[vid]
+                if (v.shape, v.dtype, v.scale_exp) != (tuple(shape), dtype, scale):
+                    out.append(f"operation {op.name}: value {v.name} is {list(v.shape)} {v.dtype} scale_exp "
+                               f"{v.scale_exp}, but its inputs and attributes give {list(shape)} {dtype} "
+                               f"scale_exp {scale}: call graph.infer() after changing them")
+        return out
 
     def remove_unused(self) -> dict[int, int]:
         """Remove the operations whose outputs nothing reads and no graph output is, then every
@@ -210,8 +233,10 @@ class Graph:
                 out[v].append(op)
         return out
 
-    def validate(self) -> None:
-        """Check SSA form and topological order; errors name the operation and the value."""
+    def validate(self, types: bool = True) -> None:
+        """Check SSA form and topological order, and (``types``) that every output's shape, dtype
+        and ``scale_exp`` are what its operation infers (``stale``); errors name the operation
+        and the value."""
         defined = set(self.inputs) | set(self.constants)
         for op in self.ops:
             for v in op.inputs:
@@ -227,6 +252,10 @@ class Graph:
         for v in self.outputs:
             if v not in defined:
                 raise ValueError(f"graph output {self.values[v].name if v in self.values else v} is never defined")
+        if types:
+            problems = self.stale()
+            if problems:
+                raise ValueError(problems[0] + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
 
     # serialisation --------------------------------------------------------------------------
     def to_json(self) -> dict:

@@ -164,7 +164,8 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
             if (src, sbuf) not in values:
                 v = program["buffers"][str(src)][sbuf].get("value", sbuf)
                 values[src, sbuf] = program["names"].get(v, v)
-            moved[s, src, dst, values[src, sbuf]] += rows * row_bytes
+            if src != dst:          # the largest exchanges: transfers between tiles, not on-tile copies
+                moved[s, src, dst, values[src, sbuf]] += rows * row_bytes
             sent[src] += rows * row_bytes
             received[dst] += rows * row_bytes
         per_step.append(sum(sent.values()))

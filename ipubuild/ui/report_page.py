@@ -152,6 +152,9 @@ def render(d: dict) -> str:
 <header><h1>{t} <small>device profile</small></h1><dl class="figures">{dl}</dl></header>
 <noscript><p class="warn">The charts are drawn by this page's script; the tables below work without it.</p></noscript>
 <main>
+<section id="changes" hidden><h2>Changes since the previous build</h2>
+<p class="note">What moved against the previous build of {t} (kept as {t}.profile.previous.json): marked
+<span class="moved">so</span> in the tables below.</p><ul id="changes-list"></ul></section>
 <section id="steps"><h2>Cycles per step</h2>
 <p class="note">Each bar is one BSP step: its exchange phase, the slowest tile's compute, and the sync.
 Hover for figures.{_steps_note(d)}</p>
@@ -176,18 +179,43 @@ bytes that data and exchange buffers use at different times. Free: bytes no buff
 <div id="search-chart" class="chart"></div></section>
 <section id="exchanges"><h2>Largest exchanges</h2>
 <p class="note">{_n(x["count"])} exchanges (bytes per step, source tile, destination tile and value) move
-{_n(x["total_bytes"])} bytes in all. Where the source tile is the destination, the exchange is an on-tile copy.</p>
+{_n(x["total_bytes"])} bytes in all (on-tile copies included); the largest listed move data between tiles.</p>
 <h3>The steps that move the most bytes</h3>{_exchange_steps(d)}
 <h3>The {len(x["top"])} largest exchanges</h3>{_exchanges(d)}</section>
 </main>
 <div id="tip" hidden></div>
 <script type="application/json" id="report-data">{data}</script>
+<script src="{t}.changes.js"></script>
 <script>{SCRIPT}</script>
+<script>{CHANGES_SCRIPT}</script>
 </body></html>
 """
 
 
-CSS = """
+# the marks of what moved since the previous build: `<target>.changes.js`, beside the page, written
+# when a build finishes (ipubuild.ui.profile_diff), sets window.IPUBUILD_CHANGES; the page itself
+# stays a pure function of its build's inputs
+CHANGES_SCRIPT = """
+(function () {
+  const c = window.IPUBUILD_CHANGES;
+  if (!c || !c.lines || !c.lines.length) return;
+  document.getElementById("changes").hidden = false;
+  const ul = document.getElementById("changes-list");
+  for (const line of c.lines) { const li = document.createElement("li"); li.textContent = line; ul.appendChild(li); }
+  const mark = (id, key, why) => {
+    for (const tr of document.querySelectorAll(`#${id} tbody tr`)) {
+      if (tr.cells[0] && tr.cells[0].textContent.trim() === String(key)) { tr.classList.add("moved"); tr.title = why; }
+    }
+  };
+  for (const [name, figs] of Object.entries(c.marks.kernels || {}))
+    mark("kernel-table", name, Object.entries(figs).map(([f, [a, b]]) => `${f}: ${a} → ${b} (${b - a >= 0 ? "+" : ""}${b - a})`).join("; "));
+  for (const [i, delta] of Object.entries(c.marks.steps || {}))
+    mark("top-steps", i, `${delta >= 0 ? "+" : ""}${delta} cycles since the previous build`);
+})();
+"""
+
+CSS = """.moved{background:#fff3c4}svg .moved-bar rect{stroke:#d08000;stroke-width:1.5}
+
 body{font:14px/1.4 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0;color:#1d2330;background:#fafbfc}
 header{padding:16px 24px;background:#1d2330;color:#fff}h1{margin:0 0 8px;font-size:22px}
 h1 small{font-weight:400;opacity:.7}.figures{display:flex;flex-wrap:wrap;gap:8px 28px;margin:0}
@@ -240,9 +268,11 @@ SCRIPT = r"""
     tip.style.top = (ev.clientY + 14) + "px";
   }
   function hideTip() { tip.hidden = true; }
-  function yAxis(svg, W, H, L, B, T, lo, hi) {
+  function yAxis(svg, W, H, L, B, T, lo, hi, title) {
     const step = niceMax((hi - lo) / 5), Y = (v) => H - B - (H - B - T) * (v - lo) / (hi - lo);
     el("line", {x1: L, x2: W - 10, y1: H - B, y2: H - B, class: "axis"}, svg);
+    if (title) el("text", {x: 12, y: T + (H - B - T) / 2, "text-anchor": "middle",
+                           transform: `rotate(-90 12 ${T + (H - B - T) / 2})`}, svg, title);
     for (let v = Math.ceil(lo / step) * step; v <= hi; v += step) {
       if (v > lo) el("line", {x1: L, x2: W - 10, y1: Y(v), y2: Y(v), class: "grid"}, svg);
       el("text", {x: L - 6, y: Y(v) + 4, "text-anchor": "end"}, svg, fmt(Math.round(v)));
@@ -260,11 +290,12 @@ SCRIPT = r"""
     const totals = s.names.map((_, i) => s.exchange[i] + s.compute[i] + s.sync[i]);
     const top = niceMax(totals.reduce((a, b) => Math.max(a, b), 1));
     const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img", "aria-label": "cycles per step"});
-    yAxis(svg, W, H, L, B, T, 0, top);
+    yAxis(svg, W, H, L, B, T, 0, top, "cycles");
     const bw = (W - 10 - L) / Math.max(n, 1), scale = (H - B - T) / top;
     const every = Math.max(1, Math.ceil(n / 40));
+    const moved = ((window.IPUBUILD_CHANGES || {}).marks || {}).steps || {};
     for (let i = 0; i < n; i++) {
-      const g = el("g", {class: "bar"}, svg), x = L + i * bw;
+      const g = el("g", {class: "bar" + (String(i) in moved ? " moved-bar" : "")}, svg), x = L + i * bw;
       let y = H - B;
       for (const [key, cls] of [["exchange", "x"], ["compute", "c"], ["sync", "s"]]) {
         const h = s[key][i] * scale;
@@ -275,9 +306,13 @@ SCRIPT = r"""
       el("title", {}, g, `step ${i}: ${s.names[i]}\nexchange ${fmt(s.exchange[i])}\ncompute ${fmt(s.compute[i])}` +
          `\nsync ${fmt(s.sync[i])}\ntotal ${fmt(totals[i])} cycles` +
          `\nexchanged ${fmt(D.exchanges.bytes_per_step[i] || 0)} bytes`);
-      if (i % every === 0) el("text", {x: (x + bw / 2).toFixed(2), y: H - B + 14, "text-anchor": "middle"}, svg, String(i));
+      // few steps: each named under its bar; many: every few numbered (the name on hover)
+      if (n <= 16) el("text", {x: (x + bw / 2).toFixed(2), y: H - B + 14, "text-anchor": "middle"}, svg,
+                      `${i} ${s.names[i]}`.slice(0, Math.max(3, Math.floor(bw / 6))));
+      else if (i % every === 0) el("text", {x: (x + bw / 2).toFixed(2), y: H - B + 14, "text-anchor": "middle"}, svg, String(i));
     }
-    el("text", {x: L + (W - L) / 2, y: H - 4, "text-anchor": "middle"}, svg, "step");
+    el("text", {x: L + (W - L) / 2, y: H - 4, "text-anchor": "middle"}, svg,
+       n <= 16 ? "step" : "step (its name on hover; the top steps table names them)");
     document.getElementById("step-chart").appendChild(svg);
   }
 
@@ -375,7 +410,7 @@ SCRIPT = r"""
     const vals = pts.map((p) => p.cycles).concat([D.lower_bound]);
     const hi = Math.max.apply(null, vals) * 1.03, lo = Math.min.apply(null, vals) * 0.9;
     const svg = el("svg", {viewBox: `0 0 ${W} ${H}`, width: W, height: H, role: "img", "aria-label": "search convergence"});
-    yAxis(svg, W, H, L, B, T, lo, hi);
+    yAxis(svg, W, H, L, B, T, lo, hi, "cycles");
     const X = (i) => L + 40 + (W - L - 120) * (pts.length > 1 ? i / (pts.length - 1) : 0.5);
     const Y = (v) => H - B - (H - B - T) * (v - lo) / (hi - lo);
     el("line", {x1: L, x2: W - 10, y1: Y(D.lower_bound), y2: Y(D.lower_bound), class: "bound"}, svg);

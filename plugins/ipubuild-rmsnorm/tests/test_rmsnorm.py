@@ -107,8 +107,11 @@ def kernel():
     return testing.load_variant("rmsnorm_f32")       # by name: the registered operator's variant (compiled once)
 
 
+# both builds: the plain one (takes unaligned data) and the checked one the device runs
+@pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("rows, cols, offset", [(1, 1, 0), (3, 7, 1), (13, 192, 0), (5, 33, 3)])
-def test_kernel_matches_reference(kernel, rows, cols, offset):
+def test_kernel_matches_reference(kernel, rows, cols, offset, checked):
+    offset = 0 if checked else offset        # the checked build refuses misaligned f32 buffers
     rng = np.random.default_rng(rows * 100 + cols)
     x = (2 * rng.standard_normal((rows, cols))).astype(np.float32)
     gamma = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
@@ -117,8 +120,8 @@ def test_kernel_matches_reference(kernel, rows, cols, offset):
     op.outputs = [y]
     (work,), = plugin.RMSNorm().lower(g, op, {"rows": 1}).stages     # the vertex lower gives a tile
     (name, args), = work.vertices
-    run = testing.run_vertex(testing.load_variant(name), args, reads=[x, gamma], writes=[((rows, cols), "f32")],
-                             offset=offset)
+    run = testing.run_vertex(testing.load_variant(name, checked=checked), args, reads=[x, gamma],
+                             writes=[((rows, cols), "f32")], offset=offset)
     assert run.status == 0
     (want,) = plugin.RMSNorm().reference(g, op, [x, gamma])
     np.testing.assert_allclose(run.outputs[0], want, rtol=3e-6, atol=1e-6)
@@ -132,6 +135,19 @@ def test_kernel_in_place_and_zero_cols(kernel):
     assert kernel(tile, [ax, ag, ax, 3, 4, testing.f32_bits(1e-5)]) == 0
     np.testing.assert_allclose(tile.read(ax, "f32", (3, 4)), _independent(x, np.full(4, 2.0), 1e-5), rtol=3e-6)
     assert kernel(tile, [ax, ag, ax, 3, 0, 0]) == 1
+
+
+def test_checked_kernel_refuses_a_buffer_outside_the_tile_and_says_why():
+    k = testing.load_variant("rmsnorm_f32", checked=True)
+    tile = testing.TileMemory()
+    ax, ag = tile.put(np.ones((2, 4), np.float32)), tile.put(np.ones(4, np.float32))
+    before = tile.mem.copy()
+    assert k(tile, [ax, ag, tile.mem.size - 8, 2, 4, testing.f32_bits(1e-5)]) == 3   # y runs off the tile
+    assert k.reason() == "y[rows*cols] lies outside the tile's data memory"
+    assert k(tile, [ax + 1, ag, ax, 2, 4, testing.f32_bits(1e-5)]) == 4                 # misaligned x
+    assert k.reason() == "x[rows*cols] is not aligned to its element size"
+    assert k(tile, [ax, ag, ax, 2, 0, 0]) == 1 and k.reason() == "cols is 0"
+    assert np.array_equal(tile.mem, before)                                                # nothing touched
 
 
 # the graph pass ----------------------------------------------------------------------------------
