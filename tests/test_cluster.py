@@ -431,7 +431,7 @@ def test_the_benchmark_reads_the_share_and_the_prediction_from_a_trace():
 
 
 def test_a_plain_tcp_scheduler_off_this_machine_is_warned_once(monkeypatch):
-    from ipubuild import executors
+    from ipubuild.engine import executors
     from ipubuild.log import log
     warned = []
     monkeypatch.setattr(log, "warning", lambda message, **kv: warned.append(message))

@@ -426,7 +426,7 @@ def test_a_misspelt_key_gets_did_you_mean_and_doit_list_names_it(tmp_path, cache
     run = doit(tree, "build:small", environ=quiet(tree, cache))
     assert run.returncode == 1 and "Traceback" not in run.output, run.tail()
     assert run.error_lines == ["error: targets/small.toml: search.shortlst: unknown key 'shortlst' (did you mean "
-                               "'shortlist'?); known keys: rounds, shortlist, workers, seconds, seed, proposals"]
+                               "'shortlist'?); known keys: rounds, shortlist, workers, evaluations, seconds, seed, proposals"]
     listed = doit(tree, "list", environ=quiet(tree, cache)).stdout
     assert "small (error: targets/small.toml: search.shortlst: unknown key 'shortlst'" in listed, listed
 

@@ -378,7 +378,8 @@ def test_a_source_edited_while_its_task_ran_is_recorded_as_read_and_rebuilt(tmp_
     """doit's record of a dependency a step read is the bytes it read, not the file when the task
     ends: an edit made meanwhile is reported once, and the next check finds the task changed."""
     import os
-    from ipubuild import files, tasks
+    from ipubuild import tasks
+    from ipubuild.engine import files
     from ipubuild.log import log
     warned = []
     monkeypatch.setattr(log, "warning", lambda message, **kv: warned.append(message))

@@ -483,7 +483,7 @@ NESTED = {
     "unicode-key-é": "\x00\n\t\"",
 }
 
-_SCRIPT = ("import json, sys; from ipubuild import canonical; "
+_SCRIPT = ("import json, sys; from ipubuild.engine import canonical; "
            "v = json.loads(sys.stdin.read()); "
            "v = {k: v[k] for k in sorted(v, key=hash)}; "  # insertion order varies with the seed
            "sys.stdout.write(canonical.dumps(v).decode() + '\\n' + canonical.digest_of(v))")
@@ -664,7 +664,7 @@ def test_every_declared_leaf_of_every_phase_moves_its_key_and_doit_signature(tmp
     ``[numerics] compare`` switched and ``map_values`` reused — fails here.)"""
     from buildtree import SMALL, make_tree
 
-    from ipubuild import build as b
+    from ipubuild.build import build as b
     from ipubuild.build.analysis import _known_names, step_entry
     from ipubuild.build.pipeline import Workspace
     from ipubuild.targets import load_target

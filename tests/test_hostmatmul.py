@@ -19,7 +19,7 @@ HERE = Path(__file__).resolve().parent
 DIGEST = f"""
 import hashlib, sys
 from pathlib import Path
-from ipubuild import reference
+from ipubuild.graph import reference
 from ipubuild.frontend import build_model
 from ipubuild.plugins import get_plugin_manager
 from ipubuild.targets import load_target
