@@ -186,8 +186,8 @@ def _pick(tree: Path, where: str, rng: random.Random) -> str:
 FETCH = """
 import hashlib
 import sys
-import ipubuild.build  # registers the phases
-from ipubuild.pipeline import Workspace
+import ipubuild.build.build  # registers the phases
+from ipubuild.build.pipeline import Workspace
 ws = Workspace(".")
 data = ws.engine.fetch(sys.argv[1])
 ws.store.close()
