@@ -2,7 +2,8 @@
 
     python -m ipubuild.graph.export timm vit_base_patch16_224 models/vit_b16.onnx
 
-(``pip install -e '.[export]'``: torch and timm, imported only here.) The model is created with
+(torch, torchvision and timm, imported only here: a CPU torch and its own torchvision first,
+then ``pip install -e '.[export]'``; README, "A model of your own".) The model is created with
 ``pretrained=False`` — random initialisation, as timm gives it — unless ``--pretrained`` is given
 (that downloads timm's weights from the Hugging Face hub, which needs the network); a checkpoint
 of your own is loaded with ``--checkpoint path.pth`` (a state dict). The export is torch's
@@ -66,8 +67,10 @@ def main(argv=None) -> int:
     try:
         import timm  # noqa: F401
         import torch  # noqa: F401
-    except ImportError as exc:
-        print(f"error: python -m ipubuild.graph.export needs torch and timm ({exc}); pip install -e '.[export]'",
+    except (ImportError, RuntimeError) as exc:   # RuntimeError: a torchvision built for another torch
+        missing = getattr(exc, "name", None) or "torch, timm and torchvision"
+        print(f"error: python -m ipubuild.graph.export needs {missing} ({exc}); install a CPU torch and the "
+              "torchvision built for it first, then pip install -e '.[export]' (README, 'A model of your own')",
               file=sys.stderr)
         return 2
     info = export_timm(a.name, Path(a.output), opset=a.opset, pretrained=a.pretrained, checkpoint=a.checkpoint,
