@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from .estimator import Loads
+from .gridplan import ranked_grids
 from .operators import registry
 from .planning.program import default_layout
 
@@ -25,6 +26,10 @@ INITIAL_PLANS_TRIED = 8
 SPREAD_FACTOR = 2
 LOOKAHEAD = 2
 REPLICATION_SHARE = 0.75
+GRID_PLANS_TRIED = 4
+PROGRESS_SLACK = 1.5
+PROGRESS_FLOOR = 0.125
+CODE_PROGRESS_FLOOR = 0.5
 
 
 def initial_layouts(sc):
@@ -58,8 +63,18 @@ class _Greedy:
         if allowance:
             weights = sum(g.values[v].nbytes for v in g.constants) or 1
             copies = REPLICATION_SHARE * self.est.cap * sc.tile_count / weights
-            self.allowed = {op.id: copies * sum(g.values[v].nbytes for v in set(op.inputs) if v in g.constants)
-                            for op in g.ops}
+            self.allowed = {}
+            for op in g.ops:
+                held = sum(g.values[v].nbytes for v in set(op.inputs) if v in g.constants)
+                # a row-wise operation's parameters (a layer norm's scale and shift) are small and
+                # needed beside every row it works on: it may copy them onto a tile per row
+                rows = g.values[op.outputs[0]].rows if self.reg.get(op.type).follows else 0
+                self.allowed[op.id] = max(copies, min(rows, sc.tile_count)) * held
+            # no tile fills ahead of the model: while placing, a tile's constants stay within
+            # the cap's share of the model's constants placed so far (times PROGRESS_SLACK), so
+            # the first operations cannot take the memory the last ones need
+            self.held = {op.id: sum(g.values[v].nbytes for v in set(op.inputs) if v in g.constants) for op in g.ops}
+            self.weights, self.placed = weights, 0
         else:
             self.allowed = None
 
@@ -76,6 +91,12 @@ class _Greedy:
             elif self.allowed is not None and any(v in g.constants for v in op.inputs):
                 within = [i for i, b in enumerate(est.footprints(op)) if b is not None and b <= self.allowed[op.id]]
                 tried = sorted({*tried, *spread(within, INITIAL_PLANS_TRIED)})
+            if op.type == "matmul" and self.allowed is not None:
+                # where memory is tight (the weights' copies are rationed), also the grids within
+                # the allowance that a closed-form estimate of exchange + compute ranks best
+                # (poplibs' way): the spread over the plan list rarely hits them at 1472 tiles
+                best_grids = ranked_grids(g, op, plans, sc.machine, tile_cap=est.cap // 2, allowed=self.allowed[op.id])
+                tried = sorted({*tried, *best_grids[:GRID_PLANS_TRIED]})
             best = self.place(op, layout, tried)
             if best[0][0] and not best_effort:
                 return None
@@ -87,6 +108,8 @@ class _Greedy:
                 if used * SPREAD_FACTOR <= sc.tile_count:
                     cursor = (cursor + used) % sc.tile_count
             self.loads.add(est.term(op, layout))
+            if self.allowed is not None:
+                self.placed += self.held[op.id]
         return layout
 
     def overflow(self, op, term) -> tuple[int, int]:
@@ -94,6 +117,14 @@ class _Greedy:
         operation's allowance)."""
         est, loads = self.est, self.loads
         const = loads.const[term.const_tiles] + term.const_bytes
+        cap, code_cap = est.cap, est.code_cap
+        if self.allowed is not None:
+            share = PROGRESS_SLACK * (self.placed + self.held[op.id]) / self.weights
+            cap = min(cap, int(cap * max(share, PROGRESS_FLOOR)))
+            # likewise code (exchange tables grow on the tiles that send to many), by the
+            # share of operations placed
+            share = PROGRESS_SLACK * (op.id + 1) / len(self.g.ops)
+            code_cap = min(code_cap, int(code_cap * max(share, CODE_PROGRESS_FLOOR)))
         code = np.zeros(est.T, np.int64)
         code[term.code_tiles] = term.code_bytes
         for name, tiles in term.kernels:
@@ -102,7 +133,7 @@ class _Greedy:
             np.add.at(code, new, est.kernel_bytes)
         touched = np.flatnonzero(code)
         code = loads.code_with_kernels()[touched] + code[touched]
-        excess = int(np.maximum(const - est.cap, 0).sum() + np.maximum(code - est.code_cap, 0).sum())
+        excess = int(np.maximum(const - cap, 0).sum() + np.maximum(code - code_cap, 0).sum())
         over = 0 if self.allowed is None else max(0, int(term.const_bytes.sum() - self.allowed[op.id]))
         return excess, over
 
