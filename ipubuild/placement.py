@@ -146,12 +146,38 @@ class _Greedy:
             if t is None:
                 continue
             over = self.overflow(op, t)
+            if self.allowed is not None and self.reg.get(op.type).follows == "rows":
+                over = (over[0] + self.readers_overflow(op, layout), over[1])
             if best is not None and over > best[0][:2]:
                 continue
             key = (*over, t.cycles + (_downstream(self.sc, op, layout) if len(tried) > 1 else 0))
             if best is None or key < best[0]:
                 best = (key, p)
         return best
+
+    def readers_overflow(self, op, layout) -> int:
+        """Bytes over the caps of the matmuls reading ``op``'s output on their best-ranked grid,
+        starting where ``op`` starts, given ``op``'s plan in ``layout``: their exchange tables
+        land on ``op``'s tiles (the senders), so a row-wise operation that follows the residual
+        stream onto tiles already full of tables moves to fresh tiles instead."""
+        sc, est = self.sc, self.est
+        start = est.resolve(layout)[op.id][1]
+        excess = 0
+        for c in (sc.graph.ops[i] for i in sorted(est.consumers(op.id))):
+            if c.type != "matmul":
+                continue
+            grids = ranked_grids(self.g, c, sc.plans[c.id], sc.machine, tile_cap=est.cap // 2, allowed=self.allowed[c.id])
+            if not grids:
+                continue
+            choice = layout["ops"][str(c.id)]
+            saved = dict(choice)
+            choice.update(plan=grids[0], offset=start)
+            t = est.term(c, layout)
+            choice.clear()
+            choice.update(saved)
+            if t is not None:
+                excess += self.overflow(c, t)[0]
+        return excess
 
     def offset(self, op, layout, cursor: int) -> int:
         """Where ``op`` (on a plan of its own) starts. On a machine much larger than the
