@@ -187,7 +187,7 @@ def _pick(tree: Path, where: str, rng: random.Random) -> str:
 FETCH = """
 import hashlib
 import sys
-import ipubuild.build  # registers the phases
+import ipubuild.build.build  # registers the phases
 from ipubuild.build.pipeline import Workspace
 ws = Workspace(".")
 data = ws.engine.fetch(sys.argv[1])
