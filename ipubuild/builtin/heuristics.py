@@ -1,10 +1,11 @@
 """The built-in layout-search heuristics: re-plan one operation, let operations take their
 producers' blocks, align a chain of row-wise operations on one plan, move an operation's tiles
-onto its producer's, and descend: re-plan several coupled operations together along the
-estimator's steepest path."""
+onto its producer's, descend: re-plan several coupled operations together along the
+estimator's steepest path, and regrid: put a matmul on the grids a closed-form estimate ranks best."""
 from __future__ import annotations
 
 from .. import hookimpl
+from ..compiler.gridplan import ranked_grids
 from ..compiler.search import Changes, Heuristic
 
 #: how many single re-plans one descent chains at most
@@ -13,6 +14,8 @@ DESCENT_STEPS = 24
 #: an estimate's cost grows with the tiles, so the budget shrinks in proportion on larger
 #: machines (870 on 1472 tiles), and the costliest operations are tried first
 DESCENT_BUDGET = 20000
+#: how many of a matmul's best-ranked grids ``regrid`` proposes
+REGRID_PLANS = 4
 
 
 def replan(layout, sc):
@@ -112,6 +115,24 @@ def descend(layout, sc):
     return out
 
 
+def regrid(layout, sc):
+    """Each matmul on each of the ``REGRID_PLANS`` grids a closed-form estimate of exchange +
+    compute ranks best among those whose weights fit a tile (``gridplan.ranked_grids``), alone
+    and with the readers of its blocks following them."""
+    out = []
+    for op in sc.graph.ops:
+        if op.type != "matmul":
+            continue
+        mine = layout["ops"][str(op.id)]["plan"]
+        readers = _readers_that_could_follow(layout, sc, op.id)
+        for p in ranked_grids(sc.graph, op, sc.plans[op.id], sc.machine, tile_cap=sc.estimator.cap // 2)[:REGRID_PLANS]:
+            if p != mine:
+                out.append(Changes(plans=((op.id, p),)))
+                if readers:
+                    out.append(Changes(plans=tuple(sorted({op.id: p, **readers}.items()))))
+    return out
+
+
 def _readers_that_could_follow(layout, sc, op_id) -> dict[int, int]:
     """``{reader: its follow plan}`` for each operation that reads ``op_id``'s blocks (its
     output, or its followers') without following them but could."""
@@ -132,4 +153,4 @@ def _readers_that_could_follow(layout, sc, op_id) -> dict[int, int]:
 def ipubuild_search_heuristics():
     return [Heuristic("replan", replan), Heuristic("take_producer_blocks", take_producer_blocks),
             Heuristic("align_chains", align_chains), Heuristic("follow_producer", follow_producer),
-            Heuristic("descend", descend)]
+            Heuristic("descend", descend), Heuristic("regrid", regrid)]

@@ -577,7 +577,7 @@ class MatMul(Operator):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
         out = []
-        for k in (1, 2, 4, 8):
+        for k in (1, 2, 4, 8, 16, 32):
             # powers of two; with k = 1 also column counts that divide N evenly (head-aligned
             # blocks, e.g. 3 or 9 for a fused QKV), and row counts that fill the tiles
             ns = _pow2(min(n_, tile_count))
@@ -589,6 +589,13 @@ class MatMul(Operator):
                     ms = sorted({*ms, min(m_, tile_count // n)} - {0})
                 for m in ms:
                     if m * n * k <= tile_count and (k == 1 or k <= k_ // 16):
+                        out.append({"m": m, "n": n, "k": k})
+            if k > 1 and k <= k_ // 16:
+                # with a K split, also the column counts that fill the tiles (a grid of
+                # 2 × 46 × 16 on 1472 tiles, not 2 × 32 × 16 on 1024)
+                for m in _pow2(min(m_, tile_count)):
+                    n = min(n_, tile_count // (m * k))
+                    if n >= 1 and n not in ns:
                         out.append({"m": m, "n": n, "k": k})
         # default first: blocks of at least 8 rows and 32 columns (smaller ones fragment the
         # exchange), then the most tiles, no K split, the squarest blocks
@@ -625,13 +632,20 @@ class MatMul(Operator):
                     stage1.append(TileWork(t, reads, [out], [(kname + ("_fp8" if direct and epilogue else ""), [
                         ("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, k1 - k0, c1 - c0, 0,
                         a.scale_exp & 0xFFFFFFFF, b.scale_exp & 0xFFFFFFFF, bias_arg, *(epilogue if direct else [])])]))
-                if len(ks) > 1:
-                    t = (i * len(cols) + j) * len(ks)
-                    reads = [(temp, l * m_ + r0, l * m_ + r1, c0, c1) for l in range(len(ks))]
-                    stage2.append(TileWork(t, reads, [(key(y.id), r0, r1, c0, c1)], [(
+                # the reduction is spread over the block's K-slice tiles (a reduce-scatter, as
+                # poplibs does): tile l sums rows l of the block's split, so each receives
+                # (k-1)/k of a block's partial sums rather than one tile (k-1) blocks; every
+                # element is still summed over l = 0, 1, … in order (deterministic)
+                for l, (q0, q1) in enumerate(split(r1 - r0, len(ks)) if len(ks) > 1 else ()):
+                    if q0 == q1:
+                        continue
+                    t = (i * len(cols) + j) * len(ks) + l
+                    s0, s1 = r0 + q0, r0 + q1
+                    reads = [(temp, p * m_ + s0, p * m_ + s1, c0, c1) for p in range(len(ks))]
+                    stage2.append(TileWork(t, reads, [(key(y.id), s0, s1, c0, c1)], [(
                         "reduce_f32" + ("_fp8" if epilogue else ""),
-                        [("w", 0, 0), (r1 - r0) * (c1 - c0), len(ks), *epilogue]
-                        + [("r", l, 0) for l in range(len(ks))])]))
+                        [("w", 0, 0), (s1 - s0) * (c1 - c0), len(ks), *epilogue]
+                        + [("r", p, 0) for p in range(len(ks))])]))
         if not stage2:
             return Lowering([stage1])
         return Lowering([stage1, stage2], {temp: (len(ks) * m_, n_, "f32")})

@@ -19,12 +19,22 @@ import numpy as np
 
 from .estimator import Loads
 from ..graph.operators import registry
+from .gridplan import ranked_grids
 from .planning.program import default_layout
 
 INITIAL_PLANS_TRIED = 8
 SPREAD_FACTOR = 2
 LOOKAHEAD = 2
 REPLICATION_SHARE = 0.75
+GRID_PLANS_TRIED = 4
+PROGRESS_SLACK = 1.5
+PROGRESS_FLOOR = 0.125
+CODE_PROGRESS_FLOOR = 0.5
+#: the share of the code cap the allowance's placements keep free, one placement per margin
+#: (the next if the exact evaluation finds the last one's code over): the estimate of a
+#: tile's code bounds its exchange table before coalescing, but ViT-B/16's fullest tile once
+#: came out 254 bytes over an estimate within the cap
+CODE_MARGINS = (0.03, 0.1)
 
 
 def initial_layouts(sc):
@@ -36,7 +46,8 @@ def initial_layouts(sc):
     layout = _Greedy(sc, allowance=False).layout()
     if layout is not None:
         yield layout
-    yield _Greedy(sc, allowance=True).layout(best_effort=True)
+    for margin in CODE_MARGINS:
+        yield _Greedy(sc, allowance=True, code_margin=margin).layout(best_effort=True)
 
 
 def initial_layout(sc, found=None) -> dict:
@@ -50,7 +61,8 @@ def spread(items: list, n: int) -> list:
 
 
 class _Greedy:
-    def __init__(self, sc, allowance: bool):
+    def __init__(self, sc, allowance: bool, code_margin: float = 0.0):
+        self.code_margin = code_margin
         self.sc, self.est, self.g = sc, sc.estimator, sc.graph
         self.reg = registry()
         self.loads = Loads(self.est)
@@ -58,8 +70,18 @@ class _Greedy:
         if allowance:
             weights = sum(g.values[v].nbytes for v in g.constants) or 1
             copies = REPLICATION_SHARE * self.est.cap * sc.tile_count / weights
-            self.allowed = {op.id: copies * sum(g.values[v].nbytes for v in set(op.inputs) if v in g.constants)
-                            for op in g.ops}
+            self.allowed = {}
+            for op in g.ops:
+                held = sum(g.values[v].nbytes for v in set(op.inputs) if v in g.constants)
+                # a row-wise operation's parameters (a layer norm's scale and shift) are small and
+                # needed beside every row it works on: it may copy them onto a tile per row
+                rows = g.values[op.outputs[0]].rows if self.reg.get(op.type).follows else 0
+                self.allowed[op.id] = max(copies, min(rows, sc.tile_count)) * held
+            # no tile fills ahead of the model: while placing, a tile's constants stay within
+            # the cap's share of the model's constants placed so far (times PROGRESS_SLACK), so
+            # the first operations cannot take the memory the last ones need
+            self.held = {op.id: sum(g.values[v].nbytes for v in set(op.inputs) if v in g.constants) for op in g.ops}
+            self.weights, self.placed = weights, 0
         else:
             self.allowed = None
 
@@ -76,6 +98,12 @@ class _Greedy:
             elif self.allowed is not None and any(v in g.constants for v in op.inputs):
                 within = [i for i, b in enumerate(est.footprints(op)) if b is not None and b <= self.allowed[op.id]]
                 tried = sorted({*tried, *spread(within, INITIAL_PLANS_TRIED)})
+            if op.type == "matmul" and self.allowed is not None:
+                # where memory is tight (the weights' copies are rationed), also the grids within
+                # the allowance that a closed-form estimate of exchange + compute ranks best
+                # (poplibs' way): the spread over the plan list rarely hits them at 1472 tiles
+                best_grids = ranked_grids(g, op, plans, sc.machine, tile_cap=est.cap // 2, allowed=self.allowed[op.id])
+                tried = sorted({*tried, *best_grids[:GRID_PLANS_TRIED]})
             best = self.place(op, layout, tried)
             if best[0][0] and not best_effort:
                 return None
@@ -87,6 +115,8 @@ class _Greedy:
                 if used * SPREAD_FACTOR <= sc.tile_count:
                     cursor = (cursor + used) % sc.tile_count
             self.loads.add(est.term(op, layout))
+            if self.allowed is not None:
+                self.placed += self.held[op.id]
         return layout
 
     def overflow(self, op, term) -> tuple[int, int]:
@@ -94,6 +124,14 @@ class _Greedy:
         operation's allowance)."""
         est, loads = self.est, self.loads
         const = loads.const[term.const_tiles] + term.const_bytes
+        cap, code_cap = est.cap, est.code_cap
+        if self.allowed is not None:
+            share = PROGRESS_SLACK * (self.placed + self.held[op.id]) / self.weights
+            cap = min(cap, int(cap * max(share, PROGRESS_FLOOR)))
+            # likewise code (exchange tables grow on the tiles that send to many), by the
+            # share of operations placed
+            share = PROGRESS_SLACK * (op.id + 1) / len(self.g.ops)
+            code_cap = int(min(code_cap * (1 - self.code_margin), code_cap * max(share, CODE_PROGRESS_FLOOR)))
         code = np.zeros(est.T, np.int64)
         code[term.code_tiles] = term.code_bytes
         for name, tiles in term.kernels:
@@ -102,7 +140,7 @@ class _Greedy:
             np.add.at(code, new, est.kernel_bytes)
         touched = np.flatnonzero(code)
         code = loads.code_with_kernels()[touched] + code[touched]
-        excess = int(np.maximum(const - est.cap, 0).sum() + np.maximum(code - est.code_cap, 0).sum())
+        excess = int(np.maximum(const - cap, 0).sum() + np.maximum(code - code_cap, 0).sum())
         over = 0 if self.allowed is None else max(0, int(term.const_bytes.sum() - self.allowed[op.id]))
         return excess, over
 
@@ -115,12 +153,38 @@ class _Greedy:
             if t is None:
                 continue
             over = self.overflow(op, t)
+            if self.allowed is not None and self.reg.get(op.type).follows == "rows":
+                over = (over[0] + self.readers_overflow(op, layout), over[1])
             if best is not None and over > best[0][:2]:
                 continue
             key = (*over, t.cycles + (_downstream(self.sc, op, layout) if len(tried) > 1 else 0))
             if best is None or key < best[0]:
                 best = (key, p)
         return best
+
+    def readers_overflow(self, op, layout) -> int:
+        """Bytes over the caps of the matmuls reading ``op``'s output on their best-ranked grid,
+        starting where ``op`` starts, given ``op``'s plan in ``layout``: their exchange tables
+        land on ``op``'s tiles (the senders), so a row-wise operation that follows the residual
+        stream onto tiles already full of tables moves to fresh tiles instead."""
+        sc, est = self.sc, self.est
+        start = est.resolve(layout)[op.id][1]
+        excess = 0
+        for c in (sc.graph.ops[i] for i in sorted(est.consumers(op.id))):
+            if c.type != "matmul":
+                continue
+            grids = ranked_grids(self.g, c, sc.plans[c.id], sc.machine, tile_cap=est.cap // 2, allowed=self.allowed[c.id])
+            if not grids:
+                continue
+            choice = layout["ops"][str(c.id)]
+            saved = dict(choice)
+            choice.update(plan=grids[0], offset=start)
+            t = est.term(c, layout)
+            choice.clear()
+            choice.update(saved)
+            if t is not None:
+                excess += self.overflow(c, t)[0]
+        return excess
 
     def offset(self, op, layout, cursor: int) -> int:
         """Where ``op`` (on a plan of its own) starts. On a machine much larger than the

@@ -1,0 +1,57 @@
+"""Choosing a matmul's tile grid (rows × columns × K-slices) by a closed-form estimate, as
+poplibs' planner does: per grid, the exchange each tile waits for (its block of the activation,
+and with a K split the partial sums it reduces), the slowest tile's compute and the syncs, with
+the weights' footprint (how many times the grid copies them) beside it.
+
+The estimate assumes the activation arrives from other tiles, row-contiguous, and that every
+tile receives its whole block: it ranks grids, the ``Estimator`` (which knows where the blocks
+really are) then judges the few best. The placement and the ``regrid`` heuristic use it to
+pick which of a matmul's several hundred grids to estimate at all.
+"""
+from __future__ import annotations
+
+from ..graph.operators import ceil_div
+
+
+def grid_cost(graph, op, plan: dict, machine: dict) -> tuple[int, int]:
+    """(estimated cycles, bytes of weights held in all) of matmul ``op`` on grid ``plan``
+    (``{"m", "n", "k"}``)."""
+    from ..graph.operators import registry
+    a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+    m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
+    m, n, k = plan["m"], plan["n"], plan["k"]
+    x = machine["exchange"]
+    rows, depth, cols = ceil_div(m_, m), ceil_div(k_, k), ceil_div(n_, n)
+    kernels = registry().kernels
+    name = f"matmul_{a.dtype}_{b.dtype}"
+    # stage 1: the activation block (a transfer per row unless it spans whole rows), the product
+    a_bytes = rows * depth * a.itemsize
+    setup = x["transfer_setup_cycles"] * (1 if k == 1 else rows)
+    cycles = setup + ceil_div(a_bytes, x["bytes_per_cycle"]) \
+        + int(kernels[name].cycles([0, 0, 0, rows, depth, cols, 0, 0, 0, 0], machine)) + x["sync_cycles"]
+    if k > 1:
+        # stage 2: each K-slice tile sums a 1/k row share of the block's k partial sums
+        share = ceil_div(rows, k)
+        part = share * cols * 4
+        cycles += x["transfer_setup_cycles"] * (k - 1) * share + ceil_div((k - 1) * part, x["bytes_per_cycle"]) \
+            + int(kernels["reduce_f32"].cycles([0, share * cols, k], machine)) + x["sync_cycles"]
+    held = m * k_ * n_ * b.itemsize if op.inputs[1] in graph.constants else 0
+    return cycles, held
+
+
+def ranked_grids(graph, op, plans: list[dict], machine: dict, tile_cap: int | None = None,
+                 allowed: float | None = None) -> list[int]:
+    """Indices of ``plans`` (a matmul's) that are grids, cheapest estimate first (ties: the
+    earlier plan), leaving out those whose weights exceed ``tile_cap`` bytes on a tile or
+    ``allowed`` bytes in all."""
+    a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+    out = []
+    for i, p in enumerate(plans):
+        if not all(d in p for d in "mnk"):
+            continue
+        cycles, held = grid_cost(graph, op, p, machine)
+        per_tile = ceil_div(a.shape[1], p["k"]) * ceil_div(b.shape[1], p["n"]) * b.itemsize
+        if held and ((tile_cap is not None and per_tile > tile_cap) or (allowed is not None and held > allowed)):
+            continue
+        out.append((cycles, i))
+    return [i for _, i in sorted(out)]
