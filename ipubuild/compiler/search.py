@@ -119,21 +119,26 @@ class SearchContext:
 
 
 # exact evaluation ------------------------------------------------------------------------------
+def phase_inputs(ph, artifacts: dict[str, str]) -> dict[str, str]:
+    """A phase's inputs by slot from the artifacts named so far (a family slot ``x/*`` takes every
+    ``x/...`` member)."""
+    inputs = {}
+    for slot in ph.inputs:
+        if slot.endswith("/*"):
+            inputs.update({k: d for k, d in artifacts.items() if k.startswith(slot[:-1])})
+        else:
+            inputs[slot] = artifacts[slot]
+    return inputs
+
+
 def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
     """Run the compiler's phases up to the costed, placed program for ``layout``."""
     artifacts = dict(base, layout=engine.put(canonical.encode(layout), pin=True))
     before = collections.Counter(engine.stats)
     try:
         for name in EVALUATION:
-            ph = PHASES[name]
-            inputs = {}
-            for slot in ph.inputs:
-                if slot.endswith("/*"):
-                    inputs.update({k: d for k, d in artifacts.items() if k.startswith(slot[:-1])})
-                else:
-                    inputs[slot] = artifacts[slot]
             with span("phase", phase=name):
-                r = engine.run(name, inputs, config)
+                r = engine.run(name, phase_inputs(PHASES[name], artifacts), config)
                 phase_finished(name, r.elapsed_ms, r.hit)
             artifacts.update(r.outputs)
     except MissingBlob:

@@ -566,18 +566,12 @@ def _evaluate(payload: dict) -> dict:
 def _chain(engine, base: dict, layout: dict, config: dict, outputs_of=None) -> list:
     """A candidate's evaluation as ``[(phase, action key, outputs)]``, walked as ``search.evaluate``
     walks it: the outputs by ``outputs_of(phase, key)`` (default: this engine's action records)."""
-    from ..compiler.search import EVALUATION
+    from ..compiler.search import EVALUATION, phase_inputs
     artifacts = dict(base, layout=canonical.digest(canonical.encode(layout)))
     chain = []
     for name in EVALUATION:
         ph = PHASES[name]
-        inputs = {}
-        for slot in ph.inputs:
-            if slot.endswith("/*"):
-                inputs.update({k: d for k, d in artifacts.items() if k.startswith(slot[:-1])})
-            else:
-                inputs[slot] = artifacts[slot]
-        key = engine.action_key(ph, inputs, config)
+        key = engine.action_key(ph, phase_inputs(ph, artifacts), config)
         outputs = outputs_of(name, key) if outputs_of is not None else engine.store.get_action(key)
         if not isinstance(outputs, dict):
             return chain
