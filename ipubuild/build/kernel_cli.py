@@ -165,8 +165,7 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
                inputs: str = "") -> tuple[bool, list[str]]:
     """Run ``variant`` as the module's docstring says: ``(passed, report lines)``."""
     from ..compiler import harness as testing
-    from ..device.compare import _unfused, judge
-    from ..graph import fp8
+    from ..device.compare import judge, operation_reference
     from ..graph.frontend import build_model
     from ..graph.operators import registry
     from ..plugins import get_plugin_manager
@@ -191,11 +190,7 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
     op, plan, work, lowering = found
     operator = reg.get(op.type)
     args_in = given_inputs(graph, op, inputs) if inputs else random_inputs(graph, op, seed)
-    folded = (op.attrs.get("to") in FP8 and graph.values[op.outputs[0]].dtype in FP8
-              and operator.fuses_cast(graph, op, op.attrs["to"]))
-    plain = _unfused(op) if folded else op
-    pres = operator.reference(graph, plain, args_in)
-    refs = [fp8.encode(pres[0], op.attrs["to"], op.attrs.get("scale_exp", 0)), *pres[1:]] if folded else pres
+    folded, plain, pres, refs = operation_reference(graph, op, operator, args_in)
     tols = []
 
     # the tile: the operation's input blocks it reads, space for what it writes

@@ -209,6 +209,19 @@ def where_computed(entry: dict, index: int) -> dict:
     return {}
 
 
+def operation_reference(graph: Graph, op, operator, args: list) -> tuple[bool, object, list, list]:
+    """An operation's reference on ``args``: ``(folded, plain, outputs, expected)`` — whether a
+    cast is folded into it, the operation without that cast, its reference outputs, and what the
+    device must write (a folded cast's reference is the operation's, encoded: ``Operator.fuses_cast``)."""
+    folded = (op.attrs.get("to") in FP8 and graph.values[op.outputs[0]].dtype in FP8
+              and operator.fuses_cast(graph, op, op.attrs["to"]))
+    plain = _unfused(op) if folded else op
+    outputs = operator.reference(graph, plain, args)
+    expected = ([fp8.encode(outputs[0], op.attrs["to"], op.attrs.get("scale_exp", 0)), *outputs[1:]]
+                if folded else outputs)
+    return folded, plain, outputs, expected
+
+
 def check_operations(graph: Graph, constants: dict, inputs: dict, device: dict, vmap: dict) -> dict:
     """Every operation's output on the device (``device``: arrays by ``v<id>``) against its
     reference on the device's inputs: ``{"compared": n, "diverged": [names], "first": {...},
@@ -223,12 +236,7 @@ def check_operations(graph: Graph, constants: dict, inputs: dict, device: dict, 
     for op in graph.ops:
         operator = reg.get(op.type)
         args = [values[v] for v in op.inputs]
-        folded = (op.attrs.get("to") in FP8 and graph.values[op.outputs[0]].dtype in FP8
-                  and operator.fuses_cast(graph, op, op.attrs["to"]))
-        plain = _unfused(op) if folded else op
-        pres = operator.reference(graph, plain, args)
-        # a folded cast's reference is the operation's encoded (``Operator.fuses_cast``)
-        refs = [fp8.encode(pres[0], op.attrs["to"], op.attrs.get("scale_exp", 0)), *pres[1:]] if folded else pres
+        folded, plain, pres, refs = operation_reference(graph, op, operator, args)
         tols = []
 
         def bound(i, plain=plain, args=args, pres=pres, tols=tols):
