@@ -217,13 +217,18 @@ def _full_disk(h: Harness, tree: Path):
     return dict(h.env, IPUBUILD_CACHE_DIR=str(disk / "cache"))
 
 
-def _read_only_cache(h: Harness, tree: Path):
-    cache = tree / ".ipubuild" / "cache"
-    if not (_mount("--bind", str(cache), str(cache)) and _mount("-o", "remount,ro,bind", str(cache))):
-        raise Skip("needs permission to bind-mount the cache read-only")
-    h.cleanups.append(["umount", "-l", str(cache)])
-    target = tree / "targets" / f"{h.target}.toml"
-    target.write_text(target.read_text() + "\n[numerics]\nmin_cosine = 0.995\n")
+def _read_only_cache(change: str):
+    def attack(h: Harness, tree: Path):
+        cache = tree / ".ipubuild" / "cache"
+        if not (_mount("--bind", str(cache), str(cache)) and _mount("-o", "remount,ro,bind", str(cache))):
+            raise Skip("needs permission to bind-mount the cache read-only")
+        h.cleanups.append(["umount", "-l", str(cache)])
+        if change == "artifacts":
+            shutil.rmtree(tree / "artifacts")
+        else:
+            target = tree / "targets" / f"{h.target}.toml"
+            target.write_text(target.read_text() + "\n[numerics]\nmin_cosine = 0.995\n")
+    return attack
 
 
 class Skip(Exception):
@@ -247,7 +252,8 @@ ATTACKS = [(f"kill -9 during {p}", _kill_during(p)) for p in KILL_PHASES] + [
     ("tiny cache (1 MB)", _tiny_cache),
     ("compiler uninstalled", _no_compiler),
     ("full disk", _full_disk),
-    ("read-only cache, a change to build", _read_only_cache),
+    ("read-only cache, deleted artifacts", _read_only_cache("artifacts")),
+    ("read-only cache, a change to build", _read_only_cache("target")),
 ]
 
 

@@ -13,7 +13,9 @@ blob a running build has read or written stays until it is done.
 
 The store heals its own damage: a diskcache index that SQLite reports as corrupt is moved aside
 (``cas.corrupt-<time>``) and recreated, with one warning — everything in it can be rebuilt. A
-read-only or full file system stops the build with one line naming the folder and the fix.
+full file system stops the build with one line naming the folder and the fix; a read-only one
+(a shared cache mounted read-only) serves what it holds, and what the build makes is kept in
+memory for that build only (``ReadOnlyCache``), with one warning.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from . import canonical
 from .errors import UserError
 from .files import storage_error, write_atomic
 from .log import log
+from .readonly_cache import ReadOnlyCache
 from .registry import SHARED_TIER
 
 DEFAULT_SIZE_LIMIT = 4 * 2**30
@@ -77,6 +80,21 @@ def cache_identity(root: Path, *, create: bool = True) -> str | None:
     return ident
 
 
+def _read_only(path: Path) -> bool:
+    """Whether a cache folder exists but may not be written (a read-only mount, or permissions)."""
+    return path.is_dir() and not (os.access(path, os.W_OK) and os.access(path / "cache.db", os.W_OK)
+                                  if (path / "cache.db").exists() else os.access(path, os.W_OK))
+
+
+def _is_read_only_error(exc: Exception) -> bool:
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    return code in (_SQLITE_READONLY, _SQLITE_CANTOPEN) or getattr(exc, "errno", None) in (
+        errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+_read_only_said = False
+
+
 class Store:
     """Blobs, action records and provenance on disk; safe across threads and processes.
 
@@ -111,13 +129,33 @@ class Store:
             settings = dict(size_limit=self.size_limit, eviction_policy="least-recently-used", cull_limit=0)
         else:
             settings = dict(size_limit=2**62, eviction_policy="none", cull_limit=0)
+        if _read_only(path):
+            return self._open_read_only(name)
         for attempt in (1, 2):
             try:
                 return diskcache.Cache(str(path), **settings)
             except (sqlite3.DatabaseError, OSError) as exc:
                 if attempt == 1 and self._heal(name, exc):
                     continue
+                if _is_read_only_error(exc):
+                    return self._open_read_only(name)
                 raise self._error(name, exc) from None
+
+    def _open_read_only(self, name: str):
+        """A read-only folder: read what it holds, keep this build's writes in memory (one
+        warning per process)."""
+        path = self.root / name
+        try:
+            cache = ReadOnlyCache(path)
+        except (sqlite3.DatabaseError, OSError) as exc:
+            raise self._error(name, exc) from None
+        global _read_only_said
+        if not _read_only_said:
+            _read_only_said = True
+            log.warning(f"cache {self.root} is read-only: this build restores what it holds and "
+                        "keeps nothing new (point IPUBUILD_CACHE_DIR at a writable folder to keep "
+                        "results)")
+        return cache
 
     @property
     def blobs(self):
@@ -164,10 +202,9 @@ class Store:
         if code == _SQLITE_FULL or getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
             return UserError(f"cache {path}", "the disk is full; free some space or point "
                              "IPUBUILD_CACHE_DIR at another disk, then build again (nothing was half-written)")
-        if code in (_SQLITE_READONLY, _SQLITE_CANTOPEN) or getattr(exc, "errno", None) in (
-                errno.EROFS, errno.EACCES, errno.EPERM):
-            return UserError(f"cache {path}", "is read-only and this build must write to it; make it "
-                             "writable or point IPUBUILD_CACHE_DIR at a writable folder")
+        if _is_read_only_error(exc):
+            return UserError(f"cache {path}", "is read-only and holds no cache this build can read; "
+                             "make it writable or point IPUBUILD_CACHE_DIR at a writable folder")
         if isinstance(exc, OSError):
             return storage_error(path, exc)
         return exc
