@@ -485,6 +485,25 @@ def test_inspect_through_doit(valid, tmp_path):
         "small.ipuexe: manifest is not valid: idle_image is missing"), out
 
 
+@pytest.mark.parametrize("used_tiles", [2, 3])
+def test_a_used_tile_count_the_tile_table_disagrees_with_is_refused(used_tiles, tmp_path):
+    """``used_tiles`` past the loaded tiles (the rest idle, every checksum recomputed) is refused by
+    the reader and by ``doit inspect``, with the same one line."""
+    from buildtree import doit, make_tree
+    manifest, members = make(tiles=3)
+    data = write_package(dict(manifest, used_tiles=used_tiles), members)
+    says = f"used_tiles is {used_tiles} but the tile table loads 1 tiles: the counts disagree"
+    reject(data, "^" + says + "$")
+    tree = make_tree(tmp_path / "tree")
+    path = tree / "artifacts" / "small" / "small.ipuexe"
+    path.parent.mkdir(parents=True)
+    path.write_bytes(data)
+    run = doit(tree, "inspect:small")
+    assert run.returncode != 0 and "Traceback" not in run.output, run.tail()
+    errors = [ln for ln in run.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].endswith(f"small.ipuexe: {says}"), run.tail()
+
+
 # exchange tables -----------------------------------------------------------------------------------
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 40), st.lists(st.integers(0, 2 ** 32 - 1), min_size=8, max_size=8),

@@ -38,10 +38,12 @@ def objects():
 
 
 def package(objects, programs: dict, exchange_entries: list, outputs: list, data: dict, tiles=4) -> bytes:
-    """A package: ``programs[tile] = [[step, [[kernel, args], ...]], ...]`` (tiles without a program
-    are idle), every tile's exchange entries, output bindings and initial data by tile."""
+    """A package: ``programs[tile] = [[step, [[kernel, args], ...]], ...]`` (a tile of the target
+    without a program computes nothing; tiles past the last program's are idle), every tile's
+    exchange entries, output bindings and initial data by tile."""
     images, kernels = {}, {}
-    for tile, steps in programs.items():
+    used = 1 + max(programs)
+    for tile, steps in ((t, programs.get(t, [])) for t in range(used)):
         names = sorted({k for _, verts in steps for k, _ in verts})
         prog = codegen.encode_program(names, [[s, [[names.index(k), a] for k, a in verts]] for s, verts in steps])
         xch = codegen.encode_exchange([e for e in exchange_entries if e[1] == tile])
@@ -61,7 +63,7 @@ def package(objects, programs: dict, exchange_entries: list, outputs: list, data
     members.update({f"kernels/{k}.so": objects[k] for k in kernels}, **{"host/program.json": host})
     manifest = {
         "format": FORMAT_VERSION, "compiler": __version__, "target": "synthetic", "tiles": tiles,
-        "used_tiles": tiles, "idle_image": canonical.digest(idle),
+        "used_tiles": used, "idle_image": canonical.digest(idle),
         "tile_images": [canonical.digest(images[t]) if t in images else canonical.digest(idle) for t in range(tiles)],
         "machine": {**MACHINE, "tiles": tiles, "sram_base": MEM["sram_base"], "sram_end": MEM["sram_end"],
                     "executable_end": MEM["executable_end"], "loader_limit": MEM["loader_limit"]},
@@ -99,7 +101,7 @@ def test_exchange_then_vertices_and_the_profile(objects, tmp_path, monkeypatch, 
     horizon = exchange.horizon_of([e[1:] for e in entries], MACHINE, False)
     add3 = reg.kernels["add_f32"].cycles([DATA, DATA, DATA, 1, 4, 1], MACHINE)
     p = run.profile
-    assert p["ok"] and p["tiles_used"] == 3
+    assert p["ok"] and p["tiles_used"] == 4         # tile 1 of the target computes nothing but is loaded
     assert [s["compute"] for s in p["steps"]] == [{"0": add, "3": add3}, {"0": cp}]
     assert [s["exchange"] for s in p["steps"]] == [horizon, 0]
     assert p["total_cycles"] == horizon + max(add, add3) + cp + 2 * x["sync_cycles"]

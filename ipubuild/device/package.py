@@ -14,7 +14,9 @@ schema below says: the manifest, the host program and every tile image's header 
 JSON, nested at most ``MAX_DEPTH`` deep (checked before parsing), of the declared types and
 bounds; member paths cannot escape an extraction folder; members, segments, exchange entries
 and bindings lie inside the file, tile memory and their tensors; tile programs and exchange
-tables decode exactly and agree with the manifest's kernels, tiles and phases. Anything else is
+tables decode exactly and agree with the manifest's kernels, tiles and phases; every tile of the
+target (``used_tiles``: tiles ``0 … used_tiles-1``) runs an image of its own — its exchange table
+sends from that tile only — and every tile past it the idle image. Anything else is
 a one-line :class:`PackageError` naming what is wrong.
 """
 from __future__ import annotations
@@ -404,7 +406,11 @@ class Package:
         for name, digest in sorted(m["kernels"].items()):
             if digest not in self.by_digest:
                 self._fail(f"object {digest[:16]} of kernel {name} is not in the package")
-        return {t for t, d in enumerate(images) if d != idle}
+        loaded = {t for t, d in enumerate(images) if d != idle}
+        if len(loaded) != m["used_tiles"]:    # every tile of the target runs a program of its own
+            self._fail(f"used_tiles is {m['used_tiles']} but the tile table loads {len(loaded)} tiles: "
+                       "the counts disagree")
+        return loaded
 
     def _check_host(self, m: dict) -> dict:
         host = m["host"]
