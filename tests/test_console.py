@@ -293,6 +293,49 @@ def test_progress_words_from_the_log_events():
     assert b.summary() == "8 kernel variants compiled"
 
 
+def test_a_long_task_at_a_pipe_says_how_far_it_is(monkeypatch):
+    """A phase's progress events become a line now and then while its task runs (a pipe has no
+    live line): the work, done of total, and the seconds so far; none once the work is done."""
+    import io
+
+    from ipubuild.engine import log as logmod
+    from ipubuild.ui.progress import PipeView
+
+    class Console:
+        real_stdout, total, done = io.StringIO(), 26, 3
+
+        def write_to(self, out, text):
+            out.write(text)
+
+    monkeypatch.setattr(logmod, "_PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(logmod.log, "level", 2)       # the log's lines off the console
+    view = PipeView(Console())
+    view.PROGRESS_EVERY = 0.0
+    try:
+        view.start("lower_model:big", {})
+        for n in (0, 5, 12):
+            logmod.progress("reference operations", n, 12)
+        said = view.out.getvalue().splitlines()
+        assert said == ["  lower_model:big · reference operations 0/12 · 0 s",
+                        "  lower_model:big · reference operations 5/12 · 0 s"], said
+        assert view.activity.now() == ""
+    finally:
+        view.stop()
+
+
+def test_progress_lines_in_the_log_are_few():
+    """``progress`` writes a line at most every few seconds per kind of work, and the last one."""
+    from ipubuild.engine import log as logmod
+    seen = []
+    logmod.log.listeners.append(lambda level, message, kv: seen.append((kv["done"], kv["total"])))
+    try:
+        for n in range(1001):
+            logmod.progress("tiles' storage placed", n, 1000)
+    finally:
+        logmod.log.listeners.pop()
+    assert seen[0] == (0, 1000) and seen[-1] == (1000, 1000) and len(seen) <= 3, seen
+
+
 # --- doit's conventions ---------------------------------------------------------------------------
 
 def test_bare_doit_builds_what_it_can_and_names_what_it_skips(tmp_path, cache):

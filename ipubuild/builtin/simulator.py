@@ -39,7 +39,7 @@ from ..engine import canonical
 from .. import hookimpl
 from ..device.device import DeviceRun, device_ownership
 from ..engine.errors import UserError
-from ..engine.log import log
+from ..engine.log import log, progress
 from ..graph.operators import registry
 from ..device.package import validated
 from ..compiler.planning import codegen, exchange
@@ -96,6 +96,7 @@ class Simulator:
         names = host_program["steps"]
         with _pool(plan) as pool:
             for s in range(host["run"]["phases"]):
+                progress("device steps", s, host["run"]["phases"])
                 for f in plan.exchange_failures.get(s, []):
                     failures.append({"kind": "exchange", "step": s, "name": names[s], **f})
                     (log.warning if len(failures) == 1 else log.info)(

@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import hookimpl
 from ..engine.errors import UserError
+from ..engine.log import progress
 from ..graph.frontend import Model
 from ..graph.ir import Graph
 from ..compiler.targets import Field, check_table
@@ -55,6 +56,7 @@ def build_vit(p: dict, seed: int, norm=None) -> Model:
     x = g.add("concat_rows", [const("cls_token", (1, d), 0.5), x], name="prepend_cls")
     x = g.add("add", [x, const("pos_embed", (tokens, d), 0.5)], name="pos_embed")
     for i in range(p["blocks"]):
+        progress("model blocks built", i, p["blocks"])
         y = layernorm(x, f"block{i}.ln1", d)
         qkv = linear(y, f"block{i}.qkv", d, 3 * d)
         scores = g.add("attention_scores", [qkv], name=f"block{i}.scores", heads=h)
@@ -64,6 +66,7 @@ def build_vit(p: dict, seed: int, norm=None) -> Model:
         y = layernorm(x, f"block{i}.ln2", d)
         y = g.add("gelu", [linear(y, f"block{i}.fc1", d, p["mlp"])], name=f"block{i}.gelu")
         x = g.add("add", [x, linear(y, f"block{i}.fc2", p["mlp"], d)], name=f"block{i}.residual2")
+    progress("model blocks built", p["blocks"], p["blocks"])
     features = layernorm(x, "final_norm", d)
     cls = g.add("slice_rows", [features], name="cls_slice", start=0, end=1)
     logits = linear(cls, "head", d, p["classes"])

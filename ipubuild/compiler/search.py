@@ -420,15 +420,28 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
 
 
 def _check_fits(graph, tiles: int, machine: dict, where: str) -> None:
-    """Stop at once, in one line, when the model's constants alone exceed the tiles' memory
-    (before any layout is planned: on a large model that takes minutes)."""
+    """Stop at once, in one line, when the model cannot fit the tiles' memory whatever the
+    layout (before any layout is planned: on a large model that takes minutes). What it needs
+    at least: its constants, all resident for the whole program, and the operation whose
+    activations (its outputs and its inputs that are not constants) weigh most, live at once
+    beside them."""
     mem = machine["memory"]
     per_tile = mem["loader_limit"] - mem["sram_base"]
-    need = sum(graph.values[v].nbytes for v in graph.constants)
+    held = set(graph.constants)
+    resident = sum(graph.values[v].nbytes for v in held)
+    live, widest = 0, None
+    for op in graph.ops:
+        n = sum(graph.values[v].nbytes for v in {*op.outputs, *(i for i in op.inputs if i not in held)})
+        if n > live:
+            live, widest = n, op
+    need = resident + live
     if need > tiles * per_tile:
         mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
-        raise UserError(f"{where}: target.tile_count", f"the model's constants need {mib(need)}, more than "
-                        f"{tiles} tile{'s' if tiles != 1 else ''} hold{'s' if tiles == 1 else ''} ({mib(tiles * per_tile)}: {per_tile:,} bytes a tile); it needs at "
+        holds = f"{tiles} tile{'s' if tiles != 1 else ''} hold{'s' if tiles == 1 else ''}"
+        busiest = f", operation {widest.name}'s activations {mib(live)}" if widest is not None else ""
+        raise UserError(f"{where}: target.tile_count",
+                        f"the model needs at least {mib(need)} (constants {mib(resident)}{busiest}), "
+                        f"more than {holds} ({mib(tiles * per_tile)}: {per_tile:,} bytes a tile); it needs at "
                         f"least {-(-need // per_tile):,} tiles, or a smaller model")
 
 

@@ -177,6 +177,22 @@ def phase_finished(phase: str, elapsed_ms: int, hit: bool) -> None:
              **({"cached": True} if hit else {}))
 
 
+_PROGRESS_EVERY = 2.0              # seconds between two progress lines of one kind of work
+_progress_said: dict[str, float] = {}
+
+
+def progress(what: str, done: int, total: int) -> None:
+    """How far a long phase is (``done`` of ``total`` ``what``): an info line at most every few
+    seconds per kind of work, and at its end; the console shows the latest beside the task."""
+    now = time.monotonic()
+    if done < total and now - _progress_said.get(what, -_PROGRESS_EVERY) < _PROGRESS_EVERY:
+        return
+    _progress_said[what] = now
+    if done >= total:
+        _progress_said.pop(what, None)
+    log.info("progress", what=f'"{what}"', done=done, total=total)
+
+
 @contextlib.contextmanager
 def span(name: str, **kv):
     """Nest a span for the logs and record it as a trace event."""

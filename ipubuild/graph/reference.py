@@ -11,7 +11,7 @@ from . import tensors
 from .artifacts import graph_of, params_of
 from ..engine.engine import phase
 from .ir import Graph
-from ..engine.log import log
+from ..engine.log import log, progress
 from .operators import registry
 
 
@@ -21,7 +21,8 @@ def evaluate(graph: Graph, constants: dict[int, np.ndarray], inputs: dict[int, n
     reg = registry()
     values = {**constants, **inputs}
     with threadpool_limits(limits=threads, user_api="blas") if threads else contextlib.nullcontext():
-        for op in graph.ops:
+        for n, op in enumerate(graph.ops):
+            progress("reference operations", n, len(graph.ops))
             outs = reg.get(op.type).reference(graph, op, [values[i] for i in op.inputs])
             for vid, arr in zip(op.outputs, outs):
                 v = graph.values[vid]

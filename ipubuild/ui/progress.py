@@ -33,11 +33,14 @@ class Activity:
         self.rounds = meta.get("rounds")
         self.arrow, self.minus = ("→", "−") if fancy else ("->", "-")
         self.compiled = self.round = 0
-        self.initial = self.best = self.rate = self.evaluating = None
+        self.initial = self.best = self.rate = self.evaluating = self.work = None
         self.resumed = False
 
     def event(self, level: str, message: str, kv: dict) -> None:
-        if message == "compiled kernel variant":
+        if message == "progress":
+            what, done, total = str(kv["what"]).strip('"'), int(kv["done"]), int(kv["total"])
+            self.work = None if done >= total else f"{what} {done:,}/{total:,}"
+        elif message == "compiled kernel variant":
             self.compiled += 1
         elif message == "validated search incumbent":
             self.initial = self.best = int(kv["cycles"])
@@ -69,6 +72,8 @@ class Activity:
             parts.append(f"{self.rate} candidates/s")
         if self.compiled:
             parts.append(f"{self.compiled} kernel variants compiled")
+        if self.work:
+            parts.append(self.work)
         return " · ".join(parts)
 
     def summary(self) -> str:
@@ -83,7 +88,10 @@ class Activity:
 
 
 class PipeView:
-    """One line per phase kind, when its first task finishes."""
+    """One line per phase kind, when its first task finishes; and, while a task runs longer than
+    ``PROGRESS_EVERY`` seconds, a line of how far it is every ``PROGRESS_EVERY`` seconds."""
+
+    PROGRESS_EVERY = 10.0
 
     def __init__(self, console):
         self.console = console
@@ -91,15 +99,20 @@ class PipeView:
         self.fancy = _unicode(self.out)
         self.kinds: set[str] = set()
         self.activity = Activity({})
-        self.started = time.perf_counter()
+        self.started, self.said, self.name = time.perf_counter(), 0.0, ""
         log.listeners.append(self.event)
 
     def start(self, name: str, meta: dict) -> None:
         self.activity = Activity(meta, self.fancy)
-        self.started = time.perf_counter()
+        self.started, self.said, self.name = time.perf_counter(), 0.0, name
 
     def event(self, level: str, message: str, kv: dict) -> None:
         self.activity.event(level, message, kv)
+        # a long task says where it is, every PROGRESS_EVERY seconds at most
+        now = time.perf_counter()
+        if message == "progress" and self.activity.work and now - max(self.started, self.said) >= self.PROGRESS_EVERY:
+            self.said = now
+            self.print(f"  {self.name} · {self.activity.work} · {now - self.started:.0f} s\n")
 
     def finish(self, name: str, meta: dict) -> None:
         if meta.get("kind") in self.kinds:
@@ -157,7 +170,7 @@ class LiveView(PipeView):
         self._update()
 
     def event(self, level: str, message: str, kv: dict) -> None:
-        super().event(level, message, kv)
+        self.activity.event(level, message, kv)     # the live line shows the progress itself
         self._update()
 
     def finish(self, name: str, meta: dict) -> None:

@@ -16,7 +16,7 @@ from ...graph.artifacts import graph_of, machine_of, params_of, to_json as _json
 from ...graph.artifacts import to_plan_json as _plan
 from ...engine.engine import phase
 from ...engine.executors import run_phases
-from ...engine.log import log
+from ...engine.log import log, progress
 from . import codegen, exchange, storage as mem
 from .cost import program_cost
 from .program import build_program, kernels_per_tile
@@ -90,7 +90,8 @@ def _program_size(program, tile, kernels, by_tile=None):
 def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
     out = {}
     align = machine["memory"]["alignment"]
-    for tile, bufs in program["buffers"].items():
+    for n, (tile, bufs) in enumerate(program["buffers"].items()):
+        progress("tiles' storage placed", n, len(program["buffers"]))
         ranges = mem.tile_ranges(machine, code.get(tile, 0))
         if ranges["code_end"] > machine["memory"]["executable_end"]:
             from ...engine.errors import UserError
