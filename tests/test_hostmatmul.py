@@ -1,5 +1,6 @@
 """The host reference is the same on every CPU: its matrix products (ipubuild.hostmatmul) do
-not depend on the BLAS kernel numpy picks (OPENBLAS_CORETYPE), and are exact for FP8 operands."""
+not depend on the BLAS kernel numpy picks (OPENBLAS_CORETYPE), and are exact for FP8 operands;
+its exp and tanh (ipubuild.graph.hostmath) do not depend on the loops numpy picks."""
 import os
 import subprocess
 import sys
@@ -34,17 +35,46 @@ print(h.hexdigest())
 """
 
 
-def test_the_reference_is_bit_identical_under_every_openblas_core_type(tmp_path):
+def _numpy_dispatch() -> list[str]:
+    """The instruction sets numpy picks loops by at run time on this machine (past its baseline)."""
+    try:
+        from numpy._core import _multiarray_umath as umath
+    except ImportError:                     # numpy 1
+        from numpy.core import _multiarray_umath as umath
+    return [f for f in umath.__cpu_dispatch__ if umath.__cpu_features__.get(f)]
+
+
+def test_the_reference_is_bit_identical_under_every_openblas_core_type_and_numpy_dispatch(tmp_path):
+    """The BLAS kernel (OPENBLAS_CORETYPE) and numpy's own loops (exp, tanh: AVX2 and AVX-512
+    ones differ from the baseline one in the last bit) leave the reference's bytes alone."""
     from threadpoolctl import threadpool_info
     here = {i.get("architecture") for i in threadpool_info() if i.get("internal_api") == "openblas"} - {None}
+    runs = {core: {"OPENBLAS_CORETYPE": core} for core in sorted({"Prescott", "Haswell", "SkylakeX", *here})}
+    dispatch = _numpy_dispatch()
+    if dispatch:
+        runs["numpy baseline loops"] = {"NPY_DISABLE_CPU_FEATURES": " ".join(dispatch)}
     digests = {}
-    for core in sorted({"Prescott", "Haswell", "SkylakeX", *here}):
-        env = dict(os.environ, OPENBLAS_CORETYPE=core, IPUBUILD_LOG="quiet")
+    for name, extra in runs.items():
+        env = dict(os.environ, IPUBUILD_LOG="quiet", **extra)
         run = subprocess.run([sys.executable, "-c", DIGEST], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
-        digests[core] = run.stdout.split()[-1]
+        digests[name] = run.stdout.split()[-1]
     assert len(set(digests.values())) == 1, digests
+
+
+def test_exp_and_tanh_are_the_correctly_rounded_values_on_every_kind_of_input():
+    from ipubuild.graph import hostmath
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.uniform(-110, 90, 20000), rng.standard_normal(20000) * 3,
+                        rng.standard_normal(2000) * 1e-5, [0.0, -0.0, 88.7, 88.8, -103.9, -104.0]]).astype(np.float32)
+    with np.errstate(over="ignore"):
+        assert np.array_equal(hostmath.exp(x), np.exp(x.astype(np.float64)).astype(np.float32))
+    assert np.array_equal(hostmath.tanh(x), np.tanh(x.astype(np.float64)).astype(np.float32))
+    special = np.array([np.inf, -np.inf, np.nan, 200.0, -200.0, -0.0], np.float32)
+    assert np.array_equal(hostmath.exp(special), [np.inf, 0, np.nan, np.inf, 0, 1], equal_nan=True)
+    t = hostmath.tanh(special)
+    assert np.array_equal(t, [1, -1, np.nan, 1, -1, -0.0], equal_nan=True) and np.signbit(t[-1])
 
 
 def _exact(a, b):

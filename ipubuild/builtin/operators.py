@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..graph import fp8, hostmatmul
+from ..graph import fp8, hostmath, hostmatmul
 from .. import hookimpl
 from ..graph.ir import FP8
 # each kernel's cycle estimators live beside its C source; imported module by module, so that
@@ -295,7 +295,7 @@ class Softmax(RowwiseOperator):
 
     def reference(self, graph, op, inputs):
         x = inputs[0] * np.float32(op.attrs.get("scale", 1.0))
-        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        e = hostmath.exp(x - x.max(axis=-1, keepdims=True))
         return [(e / e.sum(axis=-1, keepdims=True)).astype(np.float32)]
 
     def tolerance(self, graph, op, inputs, outputs):
@@ -333,7 +333,7 @@ class Gelu(ElementwiseOperator):
     def reference(self, graph, op, inputs):
         x = inputs[0]
         c = np.float32(0.7978845608)
-        return [_encode_out(op, (np.float32(0.5) * x * (np.float32(1) + np.tanh(c * (x + np.float32(0.044715) * x * x * x))))
+        return [_encode_out(op, (np.float32(0.5) * x * (np.float32(1) + hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x))))
                             .astype(np.float32))]
 
     def tolerance(self, graph, op, inputs, outputs):
@@ -341,7 +341,7 @@ class Gelu(ElementwiseOperator):
         (``LIBM_ULPS`` ulps each), then ``1 + t`` and the product round once more each."""
         x = np.asarray(inputs[0], np.float32)
         c = np.float32(0.7978845608)
-        t = _abs(np.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+        t = _abs(hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x)))
         half = 0.5 * _abs(x)
         return [half * (2 * LIBM_ULPS * 2 * U * t + 2 * U * (1 + t)) + 2 * U * _abs(outputs[0]) + TINY]
 

@@ -27,6 +27,7 @@ def evaluate(graph: Graph, constants: dict[int, np.ndarray], inputs: dict[int, n
             for vid, arr in zip(op.outputs, outs):
                 v = graph.values[vid]
                 values[vid] = np.asarray(arr).reshape(v.shape)
+        progress("reference operations", len(graph.ops), len(graph.ops))
     return values if keep_all else {vid: values[vid] for vid in graph.outputs}
 
 
