@@ -71,7 +71,8 @@ def ipubuild_cast_policies():
     inserts cast operations into the float32 graph in place and returns the
     :class:`ipubuild.ir.CastStoragePolicy` it chose. ``params`` is the target's ``[casts]``
     table. Called by the ``lower_model`` phase. All results are merged; a name declared twice
-    is an error.
+    is an error. Where casts go, their attributes and the reusable built-in placement
+    (``ipubuild.builtin.casts.place_casts``): docs/reference.md, "Cast policies".
     """
 
 

@@ -65,3 +65,27 @@ def test_infer_recomputes_a_casts_scale_exp_and_validate_catches_a_stale_one():
     g.infer()
     assert g.values[c].scale_exp == 5 and g.stale() == []
     g.validate()
+
+
+def test_the_documented_percentile_cast_policy_reuses_the_built_in_placement():
+    """The doc's policy casts the same operands as the built-in one, with its own exponents: at
+    least those of the built-in rule (a percentile is at most the maximum), larger somewhere."""
+    from ipubuild.builtin.casts import place_casts
+    from ipubuild.graph import fp8
+    namespace = {}
+    exec(_block("python", "A percentile policy is a"), namespace)       # noqa: S102 - the doc's own example
+    policy = namespace["ipubuild_cast_policies"]()["f143_p999"]
+    params = {"policy": "f143_p999", "scaling": "amax_pow2", "storage": {}}
+    ours, builtin = build_vit(P, 0), build_vit(P, 0)
+    stored = policy(ours.graph, ours.constants, ours.inputs, params)
+    place_casts(builtin.graph, builtin.constants, builtin.inputs, params, "f143")
+    for g in (ours.graph, builtin.graph):
+        g.validate()
+    cast = lambda g: {op.name: op.attrs["scale_exp"] for op in g.ops if op.type == "cast"}  # noqa: E731
+    fp8_constants = lambda g: {g.values[v].name: g.values[v].scale_exp for v in g.constants  # noqa: E731
+                               if g.values[v].dtype in fp8.MAX}
+    assert cast(ours.graph).keys() == cast(builtin.graph).keys() and cast(ours.graph)
+    mine, theirs = {**cast(ours.graph), **fp8_constants(ours.graph)}, {**cast(builtin.graph), **fp8_constants(builtin.graph)}
+    assert mine.keys() == theirs.keys()
+    assert all(mine[k] >= theirs[k] for k in mine) and any(mine[k] > theirs[k] for k in mine), (mine, theirs)
+    assert stored.default == "separate"

@@ -6,6 +6,8 @@ kernel — no separate step, no sync — for the operator types the target's ``c
 (by default every one that can)."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from ..graph import fp8
@@ -19,22 +21,34 @@ from ..compiler.targets import CAST_FUSIBLE
 FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context": (0, 1)}
 
 
-def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: str) -> CastStoragePolicy:
-    """Cast every FP8 operand: constants are stored in FP8 directly; an activation gets a cast
+def amax_scale(values: np.ndarray, fmt: str) -> int:
+    """The built-in scale rule (``scaling = "amax_pow2"``): the power of two that puts the
+    tensor's absolute maximum on the example input at the top of ``fmt``'s range."""
+    return fp8.scale_exp_for(float(np.nanmax(np.abs(values))), fmt)
+
+
+def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: str,
+                scale_rule: Callable[[np.ndarray, str], int] | None = None,
+                operands: dict[str, tuple[int, ...]] | None = None) -> CastStoragePolicy:
+    """Cast every FP8 operand (``operands``: ``{operator type: input positions}``, by default
+    ``FP8_OPERANDS``) to ``fmt``: constants are stored in FP8 directly; an activation gets a cast
     op right after its producer (the ``fold_casts`` pass then folds it into the producer where
-    it can). Scales come from calibration on the example inputs."""
+    it can). Each tensor's scale exponent is ``scale_rule(values, fmt)`` over its float32 values
+    on the example inputs (by default ``amax_scale``; 0 with ``scaling = "none"``). A cast
+    policy of a plugin can call it with its own rule or operands."""
     from ..graph.frontend import float_values
     calibrated = float_values(graph, constants, inputs)
+    rule = scale_rule or amax_scale
 
     def scale(vid):
         if params.get("scaling") == "none":
             return 0
-        return fp8.scale_exp_for(float(np.nanmax(np.abs(calibrated[vid]))), fmt)
+        return int(rule(calibrated[vid], fmt))
 
     casts: dict[int, int] = {}
     producer_index = {v: i for i, op in enumerate(graph.ops) for v in op.outputs}
     for op in list(graph.ops):
-        for pos in FP8_OPERANDS.get(op.type, ()):
+        for pos in (FP8_OPERANDS if operands is None else operands).get(op.type, ()):
             vid = op.inputs[pos]
             v = graph.values[vid]
             if v.dtype != "f32":
