@@ -55,7 +55,7 @@ CASES = [
     Case("patch_not_dividing_image", _sub("patch = 16", "patch = 24"), ("model.patch", "divide")),
     Case("image_too_big_for_one_tile",
          _sub("image_size = 64", "image_size = 512", _sub("tile_count = 16", "tile_count = 1")),
-         ("tile 0", "tensor image", "bytes", "free"), names_file=False),
+         ("target.tile_count", "the model needs at least", "it needs at least", "tiles, or a smaller model")),
     Case("zero_search_workers", _sub("workers = 2", "workers = 0"), ("search.workers", "got 0")),
     Case("min_cosine_above_one", SMALL + "[numerics]\nmin_cosine = 2\n", ("numerics.min_cosine", "at most 1")),
     Case("max_abs_error_nan", SMALL + "[numerics]\nmax_abs_error = nan\n", ("numerics.max_abs_error", "nan")),
