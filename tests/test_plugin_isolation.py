@@ -45,6 +45,7 @@ def test_the_suite_passes_with_two_plugins_installed(tmp_path):
                              "print(sorted(n for n, _ in g().list_name_plugin()))"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert "ipubuild_throwaway" in loaded.stdout and "ipubuild_rmsnorm.plugin" in loaded.stdout, loaded
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", SKIPPED, *MODULES],
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k", SKIPPED,
+                          *MODULES],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
