@@ -14,3 +14,14 @@ def code(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("code")
     copy_ipubuild(path)
     return path
+
+
+#: the longest test files, longest first (``pytest --durations``): with the suite spread over two
+#: processes a file at a time, starting them first keeps one long file from running alone at the end
+LONGEST_FIRST = ("test_plugin_isolation.py", "test_mutations_bite.py", "test_incremental.py", "test_cluster.py",
+                 "test_selfheal.py", "test_reliability.py", "test_search.py", "test_console.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: the rest keep their order

@@ -125,9 +125,17 @@ class Nginx:
         return f"http://{userinfo + '@' if userinfo else ''}127.0.0.1:{self.port}/{prefix}"
 
     def requests(self) -> list[str]:
-        """The access log: ``METHOD /uri STATUS conn=N`` per request."""
+        """The access log: ``METHOD /uri STATUS conn=N`` per request. nginx logs a request once
+        it has sent the response, so the client may be done first: the log is read when it has
+        not grown for 0.2 s (at most 3 s)."""
         path = self.root / "access.log"
-        return path.read_text().splitlines() if path.exists() else []
+        lines, deadline = None, time.monotonic() + 3
+        while True:
+            now = path.read_text().splitlines() if path.exists() else []
+            if now == lines or time.monotonic() > deadline:
+                return now
+            lines = now
+            time.sleep(0.2)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
