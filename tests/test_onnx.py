@@ -341,3 +341,32 @@ def test_an_unknown_op_fails_the_build_in_one_line_and_caches_nothing(tmp_path):
             "error: odd.onnx: node /blocks.0/attn/Foo (op com.example:Frobnicate, opset 1) has no converter; "
             "a plugin can add one with ipubuild_onnx_converters (docs/plugins.md)"], run.tail()
         assert "lower_model:odd" in run.executed      # not a cached result: nothing was recorded
+
+
+def test_without_onnx_installed_bare_doit_skips_an_onnx_target_and_says_what_to_install(tmp_path):
+    """onnx and onnxruntime are an extra: without them an ONNX target is named with the install
+    command — skipped by bare ``doit``, one error line when built by name — never a traceback
+    from the middle of ``lower_model``."""
+    tree = buildtree.make_tree(tmp_path / "tree")
+    shutil.copy(ROOT / "targets" / "vit_onnx.toml", tree / "targets")
+    shutil.copytree(ROOT / "targets" / "models", tree / "targets" / "models")
+    hide = tmp_path / "hide"          # a sitecustomize that makes onnx and onnxruntime unimportable
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys, importlib.machinery as m\n"
+        "class Hidden(m.PathFinder):\n"
+        "    @classmethod\n"
+        "    def find_spec(cls, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('onnx', 'onnxruntime'):\n"
+        "            return None\n"
+        "        return super().find_spec(name, path, target)\n"
+        "sys.meta_path[:] = [Hidden if f is m.PathFinder else f for f in sys.meta_path]\n")
+    environ = buildtree.env(tree)
+    environ["PYTHONPATH"] = f"{hide}:{environ['PYTHONPATH']}"
+    says = "model.family: the onnx family needs onnx and onnxruntime, which is not installed: pip install -e '.[onnx]'"
+    bare = buildtree.doit(tree, environ=environ)
+    assert bare.returncode == 0 and "Traceback" not in bare.output, bare.tail()
+    assert f"skipped build:vit_onnx: targets/vit_onnx.toml: {says}" in bare.output, bare.tail()
+    named = buildtree.doit(tree, "build:vit_onnx", environ=environ)
+    assert named.returncode != 0 and named.error_lines == [f"error: targets/vit_onnx.toml: {says} (the onnx extra)"], \
+        named.tail()

@@ -618,6 +618,14 @@ def model_input(shape, seed: int, array: np.ndarray | None, where: str) -> np.nd
 MODEL_SLOT, INPUT_SLOT, DATA_SLOT = "model/file", "model/input", "model/data/"
 
 
+def _installed(module: str) -> bool:
+    import importlib.util
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def declared_sources(target: dict, root) -> dict:
     """``{slot: path}`` of the files ``lower_model`` reads for an ONNX target: the model, its
     external data files and the ``.npy`` input — paths relative to the target file, checked
@@ -625,6 +633,10 @@ def declared_sources(target: dict, root) -> dict:
     action key (doit judges them by stat, then content: hashed once per change)."""
     from pathlib import Path
     from ..engine.files import tree_path
+    missing = [m for m in ("onnx", "onnxruntime") if not _installed(m)]
+    if missing:   # named like a family no plugin provides: bare `doit` skips the target, saying why
+        raise UserError(f"{target['path']}: model.family", f"the onnx family needs {' and '.join(missing)}, "
+                        "which is not installed: pip install -e '.[onnx]' (the onnx extra)")
     root = Path(root)
     m = target["model"]
     tp = Path(target["path"])
