@@ -72,6 +72,24 @@ def test_unknown_variants_targets_and_unused_variants_are_one_line_errors(tree):
     assert "Traceback" not in typo.output + bad.output + unused.output
 
 
+def test_an_onnx_target_gives_shapes_and_one_that_cannot_build_is_passed_over(tmp_path):
+    """The ONNX family reads its model file: the kernel CLI hands it over as a build does; a
+    target that cannot build here (a missing model file) is passed over when no target is named."""
+    import shutil
+    pytest.importorskip("onnx")
+    from buildtree import ROOT
+    t = make_tree(tmp_path / "tree", {"small": SMALL})
+    shutil.copy(ROOT / "targets" / "vit_onnx.toml", t / "targets")
+    shutil.copytree(ROOT / "targets" / "models", t / "targets" / "models")
+    broken = (ROOT / "targets" / "vit_onnx.toml").read_text().replace("vit_onnx.onnx", "missing.onnx")
+    (t / "targets" / "a_broken.toml").write_text(broken)
+    run = _run(t, "kernel:softmax_f32", "--target", "vit_onnx", "--repeat", "1")
+    assert run.returncode == 0 and "of target vit_onnx" in run.stdout, run.tail()
+    assert run.stdout.rstrip().endswith("kernelTest=PASS"), run.tail()
+    default = _run(t, "kernel:softmax_f32", "--repeat", "1")
+    assert default.returncode == 0 and "kernelTest=PASS" in default.stdout, default.tail()
+
+
 def test_watch_builds_again_when_a_kernel_source_is_saved(tree, tmp_path):
     import subprocess
     import sys

@@ -60,10 +60,8 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
     sources = {f"source/{slot}": tree_path(p, root) for slot, p in kernel_sources(registry()).items()}
     compile_cfg = dict(target, compiler=compiler_cfg,
                        kernel_quantum=machine_file["code"]["reservation_quantum"])
-    model_files = {}
-    if target["model"].get("family") == "onnx":     # the model file (and its data) as declared sources
-        from ..graph.onnx_import import declared_sources
-        model_files = declared_sources(target, root)
+    from ..graph.frontend import model_files as files_of_model
+    model_files = files_of_model(target, root)     # the ONNX model file (and its data), as sources
     return [
         step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params"),
                                                  "float_reference": a("float_reference")},

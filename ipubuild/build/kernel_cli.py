@@ -166,7 +166,7 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
     """Run ``variant`` as the module's docstring says: ``(passed, report lines)``."""
     from ..compiler import harness as testing
     from ..device.compare import judge, operation_reference
-    from ..graph.frontend import build_model
+    from ..graph.frontend import build_model, model_files, reading_model_files
     from ..graph.operators import registry
     from ..plugins import get_plugin_manager
     from .suggest import did_you_mean
@@ -179,7 +179,13 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
     kv = reg.kernels[variant]
     found = None
     for t in _targets(root, pm, target):
-        graph = build_model(pm, t).graph
+        try:
+            with reading_model_files(model_files(t, root), root):
+                graph = build_model(pm, t).graph
+        except UserError:
+            if target:
+                raise
+            continue            # a target that cannot build here: its own build says why
         found = find_work(graph, reg, variant, t["target"]["tile_count"])
         if found:
             break

@@ -3,6 +3,7 @@ passes rewrite it; the target's cast policy then places the FP8 casts, and passe
 stage rewrite the result. All are plugins."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import numpy as np
@@ -25,6 +26,28 @@ class Model:
 
 _float_model: list = []     # (graph, constants, inputs, values) of the build_model under way
 _sources: dict = {}         # slot -> bytes loader: the declared source files of the lower_model under way
+
+
+def model_files(target: dict, root) -> dict:
+    """The files a target's model family reads, ``{slot: tree path}`` (the ONNX family's model,
+    external data and input; none for the others): the build declares them as ``lower_model``'s
+    sources."""
+    if target["model"].get("family") != "onnx":
+        return {}
+    from .onnx_import import declared_sources
+    return declared_sources(target, root)
+
+
+@contextlib.contextmanager
+def reading_model_files(files: dict, root):
+    """Hand a family the files of ``model_files`` while a model is built outside ``lower_model``
+    (``doit kernel:<variant>``), read from the tree."""
+    from pathlib import Path
+    _sources.update({slot: (lambda p=p: (Path(root) / p).read_bytes()) for slot, p in files.items()})
+    try:
+        yield
+    finally:
+        _sources.clear()
 
 
 def model_sources() -> dict:
