@@ -256,6 +256,12 @@ def test_explain_before_any_build_is_one_line(tmp_path, cache):
     assert run.returncode == 1 and "Traceback" not in run.output, run.tail()
     assert run.error_lines == ["error: explain:small: no build of small has run a task in this tree yet; "
                                "run `doit build:small` first"], run.tail()
+    # bare `doit explain` / `doit inspect`: a target never built is one line, and the others go on
+    for group, says in (("explain", "no build of small has run a task in this tree yet"),
+                        ("inspect", "no package yet"), ("profile", "no profile yet")):
+        run = doit(tree, group, environ=quiet(tree, cache))
+        assert run.returncode == 0 and not run.error_lines, run.tail()
+        assert re.search(rf"^skipped {group}:small: .*{says}", run.stdout, re.M), run.tail()
 
 
 def test_explain_reasons(tmp_path):

@@ -16,8 +16,17 @@ from pathlib import Path
 from doit.cmd_clean import Clean as DoitClean
 from doit.exceptions import InvalidCommand, TaskFailed
 
-from ..ui.console import say, settings
+from ..ui.console import chosen, say, settings
 from ..engine.errors import UserError
+
+
+def _not_built(task: str, where: str, message: str):
+    """A command about a target never built here: an error when the task is named itself; in
+    a group (bare ``doit explain``, ``doit inspect``), one line, and the other targets go on."""
+    if chosen(task):
+        return TaskFailed(f"{where}: {message}")
+    say(f"skipped {task}: {message}\n")
+    return None
 
 
 def inspect(root: Path, entry: dict):
@@ -25,7 +34,7 @@ def inspect(root: Path, entry: dict):
     t = entry["target"]
     path = root / "artifacts" / t / f"{t}.ipuexe"
     if not path.exists():
-        return TaskFailed(f"{path}: no package yet; run `doit build:{t}` first")
+        return _not_built(f"inspect:{t}", os.path.relpath(path, root), f"no package yet; run `doit build:{t}` first")
     return _lines(lambda: summarize(read_package(path)))
 
 
@@ -34,6 +43,8 @@ def profile(root: Path, entry: dict):
     from ..ui.report import read_profile, top_steps_table
     t = entry["target"]
     path = root / "artifacts" / t / f"{t}.profile.json"
+    if not path.exists():
+        return _not_built(f"profile:{t}", os.path.relpath(path, root), f"no profile yet; run `doit build:{t}` first")
 
     def lines():
         from ..ui.profile_diff import changes
@@ -46,8 +57,12 @@ def profile(root: Path, entry: dict):
 
 
 def explain(root: Path, entry: dict):
-    from .explain import report
-    return _lines(lambda: report(root, entry["target"]))
+    from .explain import built, report
+    t = entry["target"]
+    if not built(root, t):
+        return _not_built(f"explain:{t}", f"explain:{t}", f"no build of {t} has run a task in this tree yet; "
+                          f"run `doit build:{t}` first")
+    return _lines(lambda: report(root, t))
 
 
 def plugins(root: Path, entry: dict):

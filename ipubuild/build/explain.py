@@ -200,6 +200,11 @@ def _graph(entries: list, target: str) -> dict:
     return {k: sorted(v) for k, v in graph.items()}
 
 
+def built(root, target: str) -> bool:
+    """Whether a build of ``target`` has recorded what it ran in this tree."""
+    return (folder(root) / "last" / f"{target}.json").is_file()
+
+
 def report(root, target: str) -> list[str]:
     """The lines of ``doit explain:<target>``."""
     from ..engine.errors import UserError
