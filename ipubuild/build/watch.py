@@ -77,6 +77,9 @@ def loop(root: Path, args: list[str], *, interval: float | None = None, runs: in
                 now = _snapshot(root, files)
                 changed = [f for f in files if now[f] != before[f]]
                 if changed:
+                    full = {f: f if os.path.isabs(f) else str(root / f) for f in changed}
+                    # a folder changes with the file saved in it: name the files
+                    changed = [f for f in changed if not os.path.isdir(full[f])] or changed
                     shown = ", ".join(os.path.relpath(f, root) if os.path.isabs(f) else f for f in changed[:3])
                     out.write(f"changed: {shown}{' …' if len(changed) > 3 else ''}; building again\n")
                     out.flush()
