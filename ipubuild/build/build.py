@@ -42,6 +42,15 @@ def compiler_config(memo=None) -> tuple[dict, list[str]]:
     return {"cc": cc, "cflags": cflags, "identity": identity}, files
 
 
+def model_files(target: dict, root) -> dict:
+    """The files a target's model family reads, ``{slot: tree path}`` (the ONNX family's model,
+    external data and input; none for the others): ``lower_model``'s declared sources."""
+    if target["model"].get("family") != "onnx":
+        return {}
+    from ..graph.onnx_import import declared_sources
+    return declared_sources(target, root)
+
+
 def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
     """The steps that build, run and check one target (``target["path"]`` relative to ``root``)."""
     t = target["name"]
@@ -60,12 +69,11 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
     sources = {f"source/{slot}": tree_path(p, root) for slot, p in kernel_sources(registry()).items()}
     compile_cfg = dict(target, compiler=compiler_cfg,
                        kernel_quantum=machine_file["code"]["reservation_quantum"])
-    from ..graph.frontend import model_files as files_of_model
-    model_files = files_of_model(target, root)     # the ONNX model file (and its data), as sources
+    model = model_files(target, root)     # the ONNX model file (and its data), as sources
     return [
         step("lower_model", "lower_model", {}, {"graph": a("graph"), "params": a("params"),
                                                  "float_reference": a("float_reference")},
-             sources=model_files, doc="build the model graph and place the FP8 casts"),
+             sources=model, doc="build the model graph and place the FP8 casts"),
         # planning reads the graph's structure, not its FP8 scales (ipubuild.compiler.weights)
         step("strip_values", "strip_values", {"graph": a("graph")}, {"plan_graph": a("plan_graph")},
              doc="the graph planning reads: shapes, dtypes and operators, no scales"),
@@ -137,10 +145,10 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
                                                   "params": a("params"), "profile": a("profile"), "cost": a("cost")},
              {"verdict": a("verdict")}, files={"verdict": out / f"{t}.verdict.json"}),
         *([step("compare_onnxruntime", "compare_onnxruntime", {"device_run": a("device_run")},
-                {"onnxruntime": a("onnxruntime")}, sources=model_files, files={"onnxruntime": out / f"{t}.onnxruntime.json"},
+                {"onnxruntime": a("onnxruntime")}, sources=model, files={"onnxruntime": out / f"{t}.onnxruntime.json"},
                 config=dict(target, onnxruntime=onnxruntime_version()),
                 doc="compare the device's outputs with onnxruntime's on the same input (a report figure)")]
-          if model_files else []),
+          if model else []),
         step("report_profile", "report_profile",
              {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),
               "code_sizes": a("code_sizes"), "machine": machine, "search": a("search"),

@@ -166,7 +166,8 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
     """Run ``variant`` as the module's docstring says: ``(passed, report lines)``."""
     from ..compiler import harness as testing
     from ..device.compare import judge, operation_reference
-    from ..graph.frontend import build_model, model_files, reading_model_files
+    from ..graph.frontend import build_model, reading_model_files
+    from .build import model_files
     from ..graph.operators import registry
     from ..plugins import get_plugin_manager
     from .suggest import did_you_mean

@@ -28,20 +28,10 @@ _float_model: list = []     # (graph, constants, inputs, values) of the build_mo
 _sources: dict = {}         # slot -> bytes loader: the declared source files of the lower_model under way
 
 
-def model_files(target: dict, root) -> dict:
-    """The files a target's model family reads, ``{slot: tree path}`` (the ONNX family's model,
-    external data and input; none for the others): the build declares them as ``lower_model``'s
-    sources."""
-    if target["model"].get("family") != "onnx":
-        return {}
-    from .onnx_import import declared_sources
-    return declared_sources(target, root)
-
-
 @contextlib.contextmanager
 def reading_model_files(files: dict, root):
-    """Hand a family the files of ``model_files`` while a model is built outside ``lower_model``
-    (``doit kernel:<variant>``), read from the tree."""
+    """Hand a family the files it reads (``{slot: tree path}``, ``build.model_files``) while a
+    model is built outside ``lower_model`` (``doit kernel:<variant>``), read from the tree."""
     from pathlib import Path
     _sources.update({slot: (lambda p=p: (Path(root) / p).read_bytes()) for slot, p in files.items()})
     try:
