@@ -233,6 +233,29 @@ def _files(root: Path) -> dict:
     return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def test_the_read_only_reader_serves_what_diskcache_wrote_and_keeps_writes_in_memory(tmp_path):
+    """``ReadOnlyCache`` over a folder diskcache wrote (small values in rows, large ones in files):
+    the same bytes back, a miss for an unknown key, writes and deletes seen by this process only."""
+    import diskcache
+
+    from ipubuild.engine.readonly_cache import ReadOnlyCache
+    small, large = b"x" * 100, os.urandom(3 * 2**20)
+    with diskcache.Cache(str(tmp_path / "cas")) as c:
+        c.set("a" * 64, small)
+        c.set("b" * 64, large)
+    def held():   # (SQLite's reader makes its -shm/-wal files where it may: not a write of the cache)
+        return {p: p.read_bytes() for p in (tmp_path / "cas").rglob("*") if p.is_file()
+                and not p.name.endswith(("-shm", "-wal"))}
+    before = held()
+    ro = ReadOnlyCache(tmp_path / "cas")
+    assert ro.get("a" * 64) == small and ro.get("b" * 64) == large and ro.get("c" * 64) is None
+    ro.set("c" * 64, b"new")
+    ro.delete("a" * 64)
+    assert ro.get("c" * 64) == b"new" and "a" * 64 not in ro and "b" * 64 in ro
+    ro.close()
+    assert held() == before
+
+
 def test_a_read_only_cache_restores_what_it_holds_and_builds_the_rest(tmp_path, environ, reference):
     tree = make_tree(tmp_path / "tree", {NAME: TEXT})
     assert_passed(doit(tree, f"build:{NAME}", environ=environ), NAME)

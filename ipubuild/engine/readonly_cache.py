@@ -83,11 +83,6 @@ class ReadOnlyCache:
     def cull(self) -> int:
         return 0
 
-    @property
-    def kept(self) -> int:
-        """How many values this build wrote that the folder did not take."""
-        return len(self._kept)
-
     def close(self) -> None:
         con = getattr(self._local, "con", None)
         if con is not None:

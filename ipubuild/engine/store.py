@@ -147,6 +147,9 @@ class Store:
         path = self.root / name
         try:
             cache = ReadOnlyCache(path)
+        except FileNotFoundError:
+            raise UserError(f"cache {path}", "is read-only and holds no cache yet; make it writable or "
+                            "point IPUBUILD_CACHE_DIR at a writable folder") from None
         except (sqlite3.DatabaseError, OSError) as exc:
             raise self._error(name, exc) from None
         global _read_only_said
