@@ -18,6 +18,8 @@ def code(tmp_path_factory) -> Path:
 
 #: the longest test files, longest first (``pytest --durations``): with the suite spread over two
 #: processes a file at a time, starting them first keeps one long file from running alone at the end
+#: (``--no-loadscope-reorder`` in pyproject.toml keeps this order: xdist would put files with the
+#: most tests first, and the one-test isolation re-run last)
 LONGEST_FIRST = ("test_plugin_isolation.py", "test_mutations_bite.py", "test_incremental.py", "test_cluster.py",
                  "test_selfheal.py", "test_reliability.py", "test_search.py", "test_console.py")
 
