@@ -373,6 +373,20 @@ def test_bare_doit_builds_what_it_can_and_names_what_it_skips(tmp_path, cache):
     assert info.returncode == 0 and "up-to-date" in info.stdout and "final_cycles" not in info.stdout, info.tail()
 
 
+def test_a_failed_line_counts_the_failed_targets_tasks_only(tmp_path, cache):
+    """Bare ``doit`` with one target that builds and one whose numerical gate fails: the
+    ``failed:`` line counts the failing target's tasks (and the shared ones), not the other's."""
+    strict = TEXT + "\n[numerics]\nmin_cosine = 0.9999999\nmax_abs_error = 0.0000001\n"
+    tree = tree_with(tmp_path, {"small": TEXT, "strict": strict})
+    run = doit(tree, environ=quiet(tree, cache))
+    assert run.returncode != 0, run.tail()
+    line = next(ln for ln in run.stdout.splitlines() if ln.startswith("failed: "))
+    assert "build:strict" in line, line
+    n = int(re.search(r"\((\d+) tasks: ", line)[1])
+    assert n <= 27, line          # one target's 26 tasks and the shared machine task at most
+    assert "small built:" in run.stdout, run.tail()
+
+
 def test_clean_forget_and_the_cache(tmp_path, cache):
     tree = tree_with(tmp_path)
     own = tmp_path / "own-cache"

@@ -211,7 +211,9 @@ class Console(Reporter):
             logmod = sys.modules.get("ipubuild.engine.log")
             logs = {logmod.log.log_file(t.meta["target"]) for t in self.failed
                     if logmod is not None and (t.meta or {}).get("target")} - {None}
-            total = [sum(c[i] for c in self.counts.values()) for i in range(4)]
+            # the failed targets' tasks (and the shared ones), not those of targets that built
+            mine = {(t.meta or {}).get("target") for t in self.failed} | {None}
+            total = [sum(c[i] for k, c in self.counts.items() if k in mine) for i in range(4)]
             where = "".join(f"; log: {os.path.relpath(p)}" for p in sorted(logs))
             counts = f" ({self._counts(*total)})" if total[0] + total[1] else ""
             self.say(f"failed: {', '.join(t.name for t in self.failed)}{counts}{where}\n")
