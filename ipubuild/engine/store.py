@@ -82,8 +82,9 @@ def cache_identity(root: Path, *, create: bool = True) -> str | None:
 
 def _read_only(path: Path) -> bool:
     """Whether a cache folder exists but may not be written (a read-only mount, or permissions)."""
-    return path.is_dir() and not (os.access(path, os.W_OK) and os.access(path / "cache.db", os.W_OK)
-                                  if (path / "cache.db").exists() else os.access(path, os.W_OK))
+    db = path / "cache.db"
+    writable = os.access(path, os.W_OK) and (not db.exists() or os.access(db, os.W_OK))
+    return path.is_dir() and not writable
 
 
 def _is_read_only_error(exc: Exception) -> bool:
@@ -206,8 +207,8 @@ class Store:
             return UserError(f"cache {path}", "the disk is full; free some space or point "
                              "IPUBUILD_CACHE_DIR at another disk, then build again (nothing was half-written)")
         if _is_read_only_error(exc):
-            return UserError(f"cache {path}", "is read-only and holds no cache this build can read; "
-                             "make it writable or point IPUBUILD_CACHE_DIR at a writable folder")
+            return UserError(f"cache {path}", "is read-only and this build must write to it; make it "
+                             "writable or point IPUBUILD_CACHE_DIR at a writable folder")
         if isinstance(exc, OSError):
             return storage_error(path, exc)
         return exc
