@@ -39,6 +39,7 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
     from ..graph.frontend import float_values
     calibrated = float_values(graph, constants, inputs)
     rule = scale_rule or amax_scale
+    operands = FP8_OPERANDS if operands is None else operands
 
     def scale(vid):
         if params.get("scaling") == "none":
@@ -48,7 +49,7 @@ def place_casts(graph: Graph, constants: dict, inputs: dict, params: dict, fmt: 
     casts: dict[int, int] = {}
     producer_index = {v: i for i, op in enumerate(graph.ops) for v in op.outputs}
     for op in list(graph.ops):
-        for pos in (FP8_OPERANDS if operands is None else operands).get(op.type, ()):
+        for pos in operands.get(op.type, ()):
             vid = op.inputs[pos]
             v = graph.values[vid]
             if v.dtype != "f32":

@@ -9,13 +9,15 @@ bytes on every CPU and numpy build, within a rounding of the true value.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _LN2_HI = 6.93147180369123816490e-01      # ln 2 in two parts: n * _LN2_HI is exact for |n| < 2**20
 _LN2_LO = 1.90821492927058770002e-10
 _LOG2E = 1.44269504088896338700e+00
 _DEGREE = 11
-_TAYLOR = [1.0 / np.prod(np.arange(1, k + 1, dtype=np.float64)) for k in range(_DEGREE + 1)]   # 1/k!
+_TAYLOR = [1.0 / math.factorial(k) for k in range(_DEGREE + 1)]
 
 
 def _exp64(x: np.ndarray) -> np.ndarray:
