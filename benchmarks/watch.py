@@ -21,16 +21,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
-from run import KERNEL, MAIN_TARGET, make_scratch, median  # noqa: E402
+from run import KERNEL, MAIN_TARGET, Bench, make_scratch, median  # noqa: E402
 
 GOAL = 1.5
-
-
-def _env(tree: Path, logs: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "IPUBUILD_CACHE_DIR" and not k.startswith("IPUBUILD_REMOTE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["IPUBUILD_DEVICE_LOCK_DIR"] = str(logs)
-    return env
 
 
 def _edit(kernel: Path, n: int) -> None:
@@ -89,7 +82,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ipubuild-watch-"))
     try:
         tree = make_scratch(REPO, work)
-        env = _env(tree, work)
+        env = Bench(tree, work, work).env     # the scratch tree's code and cache, a private device lock
         kernel = tree / KERNEL
         first = subprocess.run([sys.executable, "-m", "doit", f"build:{MAIN_TARGET}"], cwd=tree, env=env,
                                capture_output=True, text=True)
