@@ -153,6 +153,17 @@ def build_on(cluster, tree: Path, **extra):
                                                    IPUBUILD_SCHEDULER=cluster.address if cluster else "", **extra))
 
 
+def build_on_own_cluster(code, tmp_path: Path, workers: int, shims: dict | None = None):
+    """(tree, run): a fresh tree built on a cluster of its own (``workers``, shimmed as
+    ``DaskCluster`` says), which is stopped after the build."""
+    c = DaskCluster(tmp_path / "cluster", code, workers, shims)
+    try:
+        tree = make_tree(tmp_path / "tree")
+        return tree, build_on(c, tree)
+    finally:
+        c.stop()
+
+
 def warnings(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if " WARN " in ln]
 
@@ -245,12 +256,7 @@ def _noop_imports(tree: Path, cluster) -> list[str]:
 @pytest.mark.parametrize("workers", [1, 3])
 def test_the_same_package_and_layouts_on_one_and_three_workers(code, reference, workers, tmp_path):
     want, layouts = reference
-    c = DaskCluster(tmp_path / "cluster", code, workers)
-    try:
-        tree = make_tree(tmp_path / "tree")
-        run = build_on(c, tree)
-    finally:
-        c.stop()
+    tree, run = build_on_own_cluster(code, tmp_path, workers)
     assert_passed(run, NAME)
     assert package(tree, NAME) == want and accepted(run) == layouts
     assert f"workers={workers} threads={workers}" in run.stderr
@@ -343,12 +349,7 @@ def test_an_unreachable_scheduler_is_one_warning_and_a_local_build(code, referen
 @needs_dask
 def test_results_that_do_not_verify_never_enter_the_store(code, reference, tmp_path):
     want, _ = reference
-    c = DaskCluster(tmp_path / "cluster", code, 1, shims={0: "lie"})
-    try:
-        tree = make_tree(tmp_path / "tree")
-        run = build_on(c, tree)
-    finally:
-        c.stop()
+    tree, run = build_on_own_cluster(code, tmp_path, 1, shims={0: "lie"})
     assert_passed(run, NAME)
     assert package(tree, NAME) == want
     refused = [w for w in warnings(run.stderr) if "do not verify" in w]
@@ -364,12 +365,7 @@ def test_candidates_a_worker_lies_about_are_evaluated_here(code, reference, tmp_
     """A worker claiming every candidate 1000 cycles cheaper than it is: its claims do not match
     the cost its own artifacts give, so each is evaluated here, and the search is a local one's."""
     want, layouts = reference
-    c = DaskCluster(tmp_path / "cluster", code, 1, shims={0: "lie-candidates"})
-    try:
-        tree = make_tree(tmp_path / "tree")
-        run = build_on(c, tree)
-    finally:
-        c.stop()
+    tree, run = build_on_own_cluster(code, tmp_path, 1, shims={0: "lie-candidates"})
     assert_passed(run, NAME)
     assert package(tree, NAME) == want and accepted(run) == layouts
     refused = [w for w in warnings(run.stderr) if "candidate that does not verify" in w]
