@@ -166,7 +166,7 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
     """Run ``variant`` as the module's docstring says: ``(passed, report lines)``."""
     from ..compiler import harness as testing
     from ..device.compare import judge, operation_reference
-    from ..graph.frontend import build_model, reading_model_files
+    from ..graph.frontend import build_model, supplying_model_files
     from .build import model_files
     from ..graph.operators import registry
     from ..plugins import get_plugin_manager
@@ -181,7 +181,8 @@ def run_kernel(root: Path, variant: str, *, target: str = "", seed: int = 0, rep
     found = None
     for t in _targets(root, pm, target):
         try:
-            with reading_model_files(model_files(t, root), root):
+            files = {slot: (lambda p=p: (root / p).read_bytes()) for slot, p in model_files(t, root).items()}
+            with supplying_model_files(files):
                 graph = build_model(pm, t).graph
         except UserError:
             if target:

@@ -29,11 +29,11 @@ _sources: dict = {}         # slot -> bytes loader: the declared source files of
 
 
 @contextlib.contextmanager
-def reading_model_files(files: dict, root):
-    """Hand a family the files it reads (``{slot: tree path}``, ``build.model_files``) while a
-    model is built outside ``lower_model`` (``doit kernel:<variant>``), read from the tree."""
-    from pathlib import Path
-    _sources.update({slot: (lambda p=p: (Path(root) / p).read_bytes()) for slot, p in files.items()})
+def supplying_model_files(loaders: dict):
+    """Hand a family the files it reads (``{slot: () -> bytes}``, what ``model_sources`` returns)
+    while a model is built: ``lower_model`` supplies its verified sources, ``doit
+    kernel:<variant>`` the tree's files."""
+    _sources.update(loaders)
     try:
         yield
     finally:
@@ -119,11 +119,8 @@ def lower_model(ctx):
     the quantisation error is measured against them). ``model/*``: the files a family reads
     (the ONNX family's model, data and input files), declared as the step's sources."""
     from ..plugins import get_plugin_manager
-    _sources.update({f"model/{k}": (lambda d=d: ctx.engine.fetch(d)) for k, d in ctx.family("model").items()})
-    try:
+    with supplying_model_files({f"model/{k}": (lambda d=d: ctx.engine.fetch(d)) for k, d in ctx.family("model").items()}):
         model = build_model(get_plugin_manager(), ctx.config)
-    finally:
-        _sources.clear()
     arrays = {f"v{k}": v for k, v in {**model.constants, **model.inputs}.items()}
     g = model.graph
     return {"graph": g.to_bytes(), "params": tensors.pack(arrays),
