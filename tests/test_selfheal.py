@@ -229,8 +229,10 @@ def test_a_full_disk_stops_with_one_line_every_time(tmp_path, environ, small_dis
     assert_passed(doit(tree, f"build:{NAME}", environ=full), NAME)
 
 
-def _files(root: Path) -> dict:
-    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+def _files(root: Path, but: tuple = ()) -> dict:
+    """Every file under ``root`` and its bytes, but those whose names end with one of ``but``."""
+    return {p.relative_to(root): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.endswith(but)}
 
 
 def test_the_read_only_reader_serves_what_diskcache_wrote_and_keeps_writes_in_memory(tmp_path):
@@ -243,17 +245,15 @@ def test_the_read_only_reader_serves_what_diskcache_wrote_and_keeps_writes_in_me
     with diskcache.Cache(str(tmp_path / "cas")) as c:
         c.set("a" * 64, small)
         c.set("b" * 64, large)
-    def held():   # (SQLite's reader makes its -shm/-wal files where it may: not a write of the cache)
-        return {p: p.read_bytes() for p in (tmp_path / "cas").rglob("*") if p.is_file()
-                and not p.name.endswith(("-shm", "-wal"))}
-    before = held()
+    # (SQLite's reader makes its -shm/-wal files where it may: not a write of the cache)
+    before = _files(tmp_path / "cas", but=("-shm", "-wal"))
     ro = ReadOnlyCache(tmp_path / "cas")
     assert ro.get("a" * 64) == small and ro.get("b" * 64) == large and ro.get("c" * 64) is None
     ro.set("c" * 64, b"new")
     ro.delete("a" * 64)
     assert ro.get("c" * 64) == b"new" and "a" * 64 not in ro and "b" * 64 in ro
     ro.close()
-    assert held() == before
+    assert _files(tmp_path / "cas", but=("-shm", "-wal")) == before
 
 
 def test_a_read_only_cache_restores_what_it_holds_and_builds_the_rest(tmp_path, environ, reference):
