@@ -61,10 +61,10 @@ def main(argv=None) -> int:
         return 0
 
     from ipubuild.compiler.planning import exchange
-    from ipubuild.compiler.planning.cost import program_cost, step_compute
+    from ipubuild.compiler.planning.cost import program_cost, step_compute, transfer_bytes
     from ipubuild.compiler.planning.program import build_program
     program = build_program(graph, layout, tiles)
-    horizons = [exchange.schedule_phase(s["transfers"], machine)["horizon"] if s["transfers"] else 0
+    horizons = [exchange.schedule_phase(s["transfers"], machine)["horizon"] if len(s["transfers"]) else 0
                 for s in program["steps"]]
     cost = program_cost(program, horizons, machine)
     f, x = cost["final_cycles"], cost["final_exchange"]
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     for step, s in zip(program["steps"], cost["steps"]):
         comp = step_compute(step, machine)
         balanced = max(-(-sum(comp.values()) // tiles),
-                       -(-sum(t[8] * t[9] for t in step["transfers"]) // (tiles * machine["exchange"]["bytes_per_cycle"])))
+                       -(-transfer_bytes(step["transfers"]) // (tiles * machine["exchange"]["bytes_per_cycle"])))
         rows.append((s["name"], s["exchange"], s["compute"], s["sync"], s["exchange"] + s["compute"] - balanced))
     if args.top:
         rows = sorted(rows, key=lambda r: -(r[1] + r[2]))[:args.top]

@@ -166,7 +166,7 @@ def test_inplace_cast_storage_saves_memory_and_passes(tmp_path, monkeypatch):
         out = build_in_process(tree, "targets/small.toml")
         ws = Workspace.at(tree)
         assert canonical.loads(ws.engine.fetch(out["small/verdict"]))["pass"]
-        program = canonical.loads(ws.engine.fetch(out["small/program"]))
+        program = ws.engine.decoded(out["small/program"])
         sizes[mode] = sum(b["size"] for bufs in program["buffers"].values() for b in bufs.values())
     assert sizes["inplace"] < sizes["separate"]
 

@@ -191,12 +191,12 @@ def transfers_st(draw, max_tiles=8, broadcast=False):
     for _ in range(n):
         rows = draw(st.integers(1, 6))
         rb = draw(st.integers(1, 300))
-        t = [draw(st.integers(0, max_tiles - 1)), "s", 0, rb, draw(st.integers(0, max_tiles - 1)), "d", 0, rb, rows, rb]
+        t = [draw(st.integers(0, max_tiles - 1)), "o1", 0, rb, draw(st.integers(0, max_tiles - 1)), "g2", 0, rb, rows, rb]
         if broadcast and t[0] != t[4]:
             more = draw(st.lists(st.integers(0, max_tiles - 1), max_size=3, unique=True))
             for d in more:
                 if d not in (t[0], t[4]):
-                    t.extend([d, "d", 0, rb])
+                    t.extend([d, "g2", 0, rb])
         out.append(t)
     return out
 
@@ -287,6 +287,34 @@ def test_schedule_phase_prefers_ordinary_unless_paired_is_shorter(transfers):
     assert sorted(map(str, s["transfers"])) == sorted(map(str, chosen))
 
 
+@st.composite
+def program_transfers_st(draw, max_tiles=6):
+    """Transfers as a program makes them: buffers by name, offsets, strides and rows varied, so
+    that some coalesce and some share their source rows."""
+    n = draw(st.integers(1, 40))
+    bufs = [f"{k}{i}" for k in "go" for i in (1, 2, 10, 11)]
+    out = []
+    for _ in range(n):
+        rows = draw(st.integers(1, 4))
+        rb = draw(st.sampled_from([8, 16, 24]))
+        stride = draw(st.sampled_from([rb, 2 * rb]))
+        out.append([draw(st.integers(0, max_tiles - 1)), draw(st.sampled_from(bufs)), draw(st.sampled_from([0, 8, 16, 24])),
+                    stride, draw(st.integers(0, max_tiles - 1)), draw(st.sampled_from(bufs)),
+                    draw(st.sampled_from([0, 8, 16, 24])), draw(st.sampled_from([rb, 2 * rb])), rows, rb])
+    return out
+
+
+@FAST
+@given(program_transfers_st(), st.booleans())
+def test_array_grouping_is_the_list_grouping(transfers, paired):
+    """The planner groups a program's transfers over arrays; the list functions are the
+    reference: the same coalesced transfers, the same broadcasts in the same order."""
+    merged = exchange.coalesce(transfers)
+    arrays = exchange.coalesce_array(exchange.transfer_array(transfers))
+    assert exchange.transfer_lists(arrays) == merged
+    assert exchange.broadcast_groups(arrays, paired).lists() == exchange.broadcasts(merged, paired)
+
+
 def _unicast(transfers):
     """Broadcasts split back into one transfer per destination."""
     out = []
@@ -321,7 +349,7 @@ def test_a_broadcast_costs_one_send():
     grouped = exchange.broadcasts(fan, paired=False)
     assert len(grouped) == 1 and exchange.destination_tiles(grouped[0]) == list(range(1, 9))
     assert exchange.schedule(grouped, MACHINE, paired=False)[0] == single
-    assert exchange.schedule_phase(fan, MACHINE)["horizon"] == single
+    assert exchange.schedule_phase([[0, "o1", *t[2:5], "g2", *t[6:]] for t in fan], MACHINE)["horizon"] == single
 
 
 @st.composite
@@ -432,7 +460,7 @@ def test_more_tiles_never_slow_a_matmul_down(vit_graph):
 def test_program_cost_sums_steps(vit_graph, vit_program):
     horizons = []
     for step in vit_program["steps"]:
-        horizons.append(exchange.schedule_phase(step["transfers"], MACHINE)["horizon"] if step["transfers"] else 0)
+        horizons.append(exchange.schedule_phase(step["transfers"], MACHINE)["horizon"] if len(step["transfers"]) else 0)
     cost = program_cost(vit_program, horizons, MACHINE)
     sync = MACHINE["exchange"]["sync_cycles"]
     kernels = registry().kernels
@@ -499,7 +527,7 @@ def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
     bound = phases.provisional_code_bytes(program, none)
     entries = defaultdict(list)
     for s, step in enumerate(program["steps"]):
-        if step["transfers"]:
+        if len(step["transfers"]):
             for t in exchange.schedule_phase(step["transfers"], MACHINE)["transfers"]:
                 entries[str(t[0])].append([s, t[0], 0, t[3], t[4], 0, t[7], t[8], t[9],
                                            *[x for d in zip(t[10::4], t[12::4], t[13::4]) for x in (d[0], 0, d[2])]])

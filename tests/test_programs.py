@@ -14,6 +14,7 @@ from ipubuild.ir import Graph
 from ipubuild.search import read_state
 from ipubuild.operators import registry
 from ipubuild.build.pipeline import Workspace
+from ipubuild.compiler.planning import exchange
 from ipubuild.compiler.planning.program import plans_of
 from ipubuild.targets import load_target
 
@@ -39,7 +40,7 @@ class Built:
         self.ws = Workspace.at(root)
 
     def json(self, artifact: str):
-        return canonical.loads(self.ws.engine.fetch(self.out[f"{self.name}/{artifact}"]))
+        return self.ws.engine.decoded(self.out[f"{self.name}/{artifact}"])
 
     @property
     def graph(self) -> Graph:
@@ -77,7 +78,7 @@ def test_vit_fp8_elementwise_operations_exchange_nothing(vit):
     moved_by_step = {}
     for step in program["steps"]:
         moved_by_step.setdefault(step["op"], set()).update(
-            program["buffers"][str(t[4])][t[5]]["value"] for t in step["transfers"])
+            program["buffers"][str(t[4])][t[5]]["value"] for t in exchange.transfer_lists(step["transfers"]))
     checked = 0
     for op in g.ops:
         if registry().get(op.type).follows != "elements":
@@ -164,7 +165,7 @@ def test_attention_following_its_heads_runs_right_on_the_simulator(tmp_path):
     assert verdict["pass"] and verdict["device_ok"] and float(verdict["min_cosine"]) > 0.999
     assert profile["total_cycles"] == cost["final_cycles"]
     steps = {s["name"]: s for s in rebuilt.json("program")["steps"]}
-    assert not steps["block0.softmax"]["transfers"]
+    assert not len(steps["block0.softmax"]["transfers"])
     scores_tiles = set(steps["block0.scores"]["vertices"])
     assert scores_tiles <= set(steps["block0.qkv"]["vertices"])
 

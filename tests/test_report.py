@@ -110,7 +110,7 @@ def test_the_page_carries_the_charts_data(built):
     assert d["search"] == _art(ws, "search")
     # exchanges: bytes per step from the program's transfers, largest first
     x = d["exchanges"]
-    assert x["bytes_per_step"] == [sum(t[8] * t[9] for t in s["transfers"]) for s in program["steps"]]
+    assert x["bytes_per_step"] == [sum(t[8] * t[9] for t in s["transfers"].tolist()) for s in program["steps"]]
     sizes_top = [e["bytes"] for e in x["top"]]
     assert sizes_top == sorted(sizes_top, reverse=True) and sizes_top[0] > 0
     assert x["steps"][0]["bytes"] == max(x["bytes_per_step"])

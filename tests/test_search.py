@@ -468,7 +468,7 @@ def test_estimator_terms_are_pinned_against_the_exact_cost_model(built_small, mo
 
     def busiest_port(transfers) -> int:
         load = collections.Counter()
-        for t in X.broadcasts(X.coalesce(transfers), paired=False):
+        for t in X.broadcasts(X.coalesce(X.transfer_lists(transfers)), paired=False):
             ports, duration = X._ports_and_duration(t, machine, False)
             for p in ports:
                 load[p] += duration

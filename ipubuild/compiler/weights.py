@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from ..engine.engine import phase
 from ..engine.errors import UserError
-from ..graph.artifacts import graph_of, to_json
+from ..graph.artifacts import graph_of
 from ..graph.ir import Graph
 
 OPS = ("ipubuild_operators",)
@@ -45,7 +45,8 @@ def strip_values(ctx):
        config=("target.tile_count",), hooks=OPS)
 def bind_values(ctx):
     """The planned program with the real graph's scale arguments in its vertices."""
-    return {"program": to_json(bind(ctx.json("program"), graph_of(ctx), ctx.json("layout"),
+    from .planning.program import program_blob
+    return {"program": program_blob(bind(ctx.json("program"), graph_of(ctx), ctx.json("layout"),
                                     ctx.config["target"]["tile_count"]))}
 
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Callable
 
-from . import canonical
+from . import canonical, registry
 from .errors import UserError
 from .fingerprint import code_fingerprint
 from .log import log
@@ -198,8 +198,8 @@ class Engine:
         """Store a blob this process made, keeping it at hand for its readers (and, for
         ``canonical.Json``, its value); ``pin`` as ``Store.put``."""
         d = self.store.put(data, pin=pin)
-        if isinstance(data, canonical.Json):
-            self._remember(d, data.value, len(data))
+        if hasattr(data, "value"):          # canonical.Json, or a plan blob: its value at hand
+            self._remember(d, data.value, canonical.heap_estimate(data))
         if len(data) <= self.RECENT_BLOB_MAX:
             with self._lock:
                 if d not in self._recent:
@@ -267,17 +267,14 @@ class Engine:
                 return self._decoded[digest][0]
         data = self.fetch(digest)
         value = _loads(data)
-        self._remember(digest, value, len(data))
+        self._remember(digest, value, canonical.heap_estimate(data))
         return value
 
-    # decoded values kept, by their Python heap: HEAP_PER_JSON_BYTE x their JSON's size (measured
-    # 6.2-7.4 on planning artifacts), 2 GiB of it: a ViT-B/16 candidate's values (1.4 GB) and not
-    # several candidates' in a search worker
+    # decoded values kept, by their memory (``canonical.heap_estimate``), 2 GiB of it: a ViT-B/16
+    # candidate's values and not several candidates' in a search worker
     DECODED_BYTES = 2 << 30
-    HEAP_PER_JSON_BYTE = 8
 
     def _remember(self, digest: str, value, size: int) -> None:
-        size *= self.HEAP_PER_JSON_BYTE
         with self._lock:
             if digest not in self._decoded:
                 self._decoded_bytes += size
@@ -290,6 +287,8 @@ class Engine:
 def _loads(data: bytes):
     """JSON bytes decoded (orjson, several times faster than ``json`` on planning artifacts;
     ``json`` for what orjson refuses, such as integers beyond 64 bits)."""
+    if data[:len(canonical.PLAN_MAGIC)] == canonical.PLAN_MAGIC:
+        return registry.load(registry.PLAN_CODEC).from_plan_blob(data)
     import orjson
     try:
         return orjson.loads(data)

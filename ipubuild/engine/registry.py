@@ -9,7 +9,9 @@ Two backends of the engine sit in upper layers, because they use plugins or the 
 store's shared cache tier (``SHARED_TIER``, when ``$IPUBUILD_REMOTE_CACHE`` is set) and the
 cluster that executors send work to (``CLUSTER``, when ``$IPUBUILD_SCHEDULER`` is set). The
 engine names them here and imports them only when they are configured, as plugins are named
-by entry points: their code is not the engine's, and a no-op build never imports them.
+by entry points: their code is not the engine's, and a no-op build never imports them. So is the
+codec of planning artifacts that carry arrays (``PLAN_CODEC``): it needs numpy, which the engine
+does not import; the engine hands it the blobs that begin with ``canonical.PLAN_MAGIC``.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ PHASE_MODULES = (
 )
 SHARED_TIER = "ipubuild.remote"           # the store's remote cache tier
 CLUSTER = "ipubuild.remote.cluster"       # where executors send work (imports distributed)
+PLAN_CODEC = "ipubuild.graph.artifacts"   # reads the planning artifacts that carry arrays (numpy)
 
 
 def load_phases() -> None:

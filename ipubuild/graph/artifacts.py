@@ -4,6 +4,8 @@ from __future__ import annotations
 import functools
 import tomllib
 
+import numpy as np
+
 from ..engine import canonical
 from . import tensors
 from .ir import Graph
@@ -39,6 +41,112 @@ def to_plan_json(value) -> bytes:
     out = canonical.Json(orjson.dumps(value, option=orjson.OPT_SORT_KEYS))
     out.value = value
     return out
+
+
+BUFFER_KINDS = "cgio"       # constant, gathered, input, output: in the order of their letters
+_DIGITS = 8                 # a program's buffers are numbered below 10**8
+
+
+def buffer_code(bid: str) -> int:
+    """A buffer's name (``o12``) as an int that orders as the name does: its kind, then its
+    number's digits left-aligned in base 11 (1 + the digit, 0 past the last). A transfer array
+    holds its buffers so, and sorting transfers sorts them as their names would."""
+    digits = bid[1:]
+    if len(digits) > _DIGITS:
+        raise ValueError(f"buffer {bid}: a program numbers at most 10**{_DIGITS} buffers")
+    code = BUFFER_KINDS.index(bid[0])
+    for p in range(_DIGITS):
+        code = code * 11 + (int(digits[p]) + 1 if p < len(digits) else 0)
+    return code
+
+
+def buffer_name(code: int) -> str:
+    """The buffer name a ``buffer_code`` stands for."""
+    code, digits = int(code), []
+    for _ in range(_DIGITS):
+        code, d = divmod(code, 11)
+        if d:
+            digits.append(str(d - 1))
+    return BUFFER_KINDS[code] + "".join(reversed(digits))
+
+
+def buffer_names(codes: np.ndarray) -> list[str]:
+    """``buffer_name`` of each of an array of codes."""
+    codes = np.asarray(codes, dtype=np.int64)
+    kind, rest = np.divmod(codes, 11 ** _DIGITS)
+    digits = rest[:, None] // 11 ** np.arange(_DIGITS - 1, -1, -1, dtype=np.int64) % 11
+    chars = np.concatenate([np.frombuffer(BUFFER_KINDS.encode(), np.uint8)[kind][:, None],
+                            np.where(digits > 0, digits + ord("0") - 1, 0).astype(np.uint8)], axis=1)
+    return np.ascontiguousarray(chars).view(f"S{_DIGITS + 1}").ravel().astype(str).tolist()
+
+
+class PlanBlob(bytes):
+    """A plan blob's bytes, remembering the value they encode (as ``canonical.Json``)."""
+
+    value: object
+
+
+def to_plan_blob(value, arrays: tuple[tuple, ...]) -> bytes:
+    """A planning artifact that holds numpy arrays (a program's transfers: millions of rows) as
+    ``canonical.PLAN_MAGIC``, then a ``tensors.pack`` of its JSON skeleton and its arrays as raw
+    little-endian data: hashed as bytes, read without a Python object per row, deterministic.
+
+    ``arrays`` names where the value holds arrays, each a path of keys and list indices, ``"*"``
+    standing for every item of a list; the path ``()`` is the value itself. Every array a path
+    reaches is stored in one array (concatenated along its first axis, with its ``starts``), and
+    ``None`` in its place in the skeleton. ``engine.decoded`` reads it back (``from_plan_blob``)."""
+    import orjson
+    members, where = {}, []
+    for n, path in enumerate(arrays):
+        found = []
+        value = _take(value, list(path), found)
+        if found:
+            members[f"a{n}"] = np.concatenate(found)
+            members[f"a{n}.starts"] = np.cumsum([0] + [len(a) for a in found], dtype=np.int64)
+        where.append(list(path))
+    skeleton = orjson.dumps({"value": value, "arrays": where}, option=orjson.OPT_SORT_KEYS)
+    members["skeleton"] = np.frombuffer(skeleton, np.uint8)
+    out = PlanBlob(canonical.PLAN_MAGIC + tensors.pack(members))
+    return out
+
+
+def _take(value, path: list, found: list):
+    """``value`` with the arrays on ``path`` replaced by None (containers on it copied), the
+    arrays appended to ``found`` in order."""
+    if not path:
+        found.append(np.asarray(value))
+        return None
+    key, rest = path[0], path[1:]
+    if key == "*":
+        return [_take(item, rest, found) for item in value]
+    copy = dict(value) if isinstance(value, dict) else list(value)
+    copy[key] = _take(value[key], rest, found)
+    return copy
+
+
+def from_plan_blob(data: bytes):
+    """The value of a ``to_plan_blob`` blob, its arrays views of ``data`` (read-only)."""
+    import orjson
+    members = tensors.unpack(memoryview(data)[len(canonical.PLAN_MAGIC):])
+    head = orjson.loads(members["skeleton"].tobytes())
+    value = head["value"]
+    for n, path in enumerate(head["arrays"]):
+        if f"a{n}" not in members:
+            continue
+        whole, starts = members[f"a{n}"], members[f"a{n}.starts"].tolist()
+        parts = iter(whole[a:b] for a, b in zip(starts, starts[1:]))
+        value = _put(value, path, parts)
+    return value
+
+
+def _put(value, path: list, parts):
+    if not path:
+        return next(parts)
+    key, rest = path[0], path[1:]
+    if key == "*":
+        return [_put(item, rest, parts) for item in value]
+    value[key] = _put(value[key], rest, parts)
+    return value
 
 
 def to_json(value) -> bytes:

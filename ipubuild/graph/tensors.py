@@ -23,7 +23,7 @@ def pack(arrays: dict[str, np.ndarray]) -> bytes:
 
 def unpack(data: bytes) -> dict[str, np.ndarray]:
     (n,) = struct.unpack_from("<I", data)
-    header = canonical.loads(data[4:4 + n])
+    header = canonical.loads(bytes(data[4:4 + n]))
     base = 4 + n
     return {name: np.frombuffer(data, dtype=np.dtype(dt), count=int(np.prod(shape, dtype=np.int64)),
                                 offset=base + off).reshape(shape)

@@ -16,7 +16,9 @@ import itertools
 import json
 from pathlib import Path
 
-from ..graph.artifacts import machine_of
+import numpy as np
+
+from ..graph.artifacts import buffer_name, machine_of
 from ..engine.engine import phase
 from ..engine.errors import UserError
 from .report_page import render
@@ -160,9 +162,10 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
     per_step, steps = [], []
     for s, step in enumerate(program["steps"]):
         sent, received = collections.Counter(), collections.Counter()
-        for src, sbuf, _, _, dst, _, _, _, rows, row_bytes in step["transfers"]:
+        for src, sbuf, _, _, dst, _, _, _, rows, row_bytes in np.asarray(step["transfers"]).tolist():
             if (src, sbuf) not in values:
-                v = program["buffers"][str(src)][sbuf].get("value", sbuf)
+                name = buffer_name(sbuf)
+                v = program["buffers"][str(src)][name].get("value", name)
                 values[src, sbuf] = program["names"].get(v, v)
             if src != dst:          # the largest exchanges: transfers between tiles, not on-tile copies
                 moved[s, src, dst, values[src, sbuf]] += rows * row_bytes

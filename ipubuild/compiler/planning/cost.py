@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import numpy as np
+
 from ...graph.operators import registry
 
 
@@ -34,6 +36,12 @@ def step_compute(step: dict, machine: dict) -> dict[str, int]:
             for tile, verts in step["vertices"].items()}
 
 
+def transfer_bytes(transfers) -> int:
+    """The bytes an array of transfers moves."""
+    t = np.asarray(transfers, dtype=np.int64).reshape(-1, 10)
+    return int((t[:, 8] * t[:, 9]).sum())
+
+
 def peak_bound(program: dict, machine: dict) -> int:
     """A bound no program of this graph can beat on ``tile_count`` tiles: every operation's
     multiply-accumulates at the AMP's peak rate (or, for one without, its output elements at
@@ -57,7 +65,7 @@ def program_cost(program: dict, horizons: list[int], machine: dict) -> dict:
     for step, horizon in zip(program["steps"], horizons):
         compute = step_compute(step, machine)
         slowest = max(compute.values(), default=0)
-        moved = sum(t[8] * t[9] for t in step["transfers"])
+        moved = transfer_bytes(step["transfers"])
         bound += max(-(-sum(compute.values()) // tiles),
                      -(-moved // (tiles * machine["exchange"]["bytes_per_cycle"]))) + sync
         total += horizon + slowest + sync

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import collections
 import heapq
+from typing import NamedTuple
+
+import numpy as np
+
+from ...graph.artifacts import buffer_code, buffer_names
 
 from ...graph.operators import ceil_div
 
@@ -67,6 +72,125 @@ def broadcasts(transfers: list[list], paired: bool) -> list[list]:
             found.append([st, sb, so, ss, dt, db, do, ds, rows, rb])
             out.append(found[-1])
     return out
+
+
+# the same over arrays (rows: program.TRANSFER_FIELDS, buffers as program.buffer_code) ----------
+class Groups(NamedTuple):
+    """Broadcasts as arrays: group ``g`` sends ``heads[g]`` (a transfer's fields) and also to the
+    destinations ``extra[starts[g]:starts[g + 1]]`` (rows ``dst_tile, dst_buf, dst_off, dst_stride``)."""
+
+    heads: np.ndarray
+    extra: np.ndarray
+    starts: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.heads)
+
+    def destinations(self) -> np.ndarray:
+        """Each group's number of destination tiles."""
+        return 1 + np.diff(self.starts)
+
+    def lists(self) -> list[list]:
+        """The groups as ``broadcasts`` gives them (buffers by name)."""
+        h, extra = self.heads, self.extra
+        codes = np.concatenate([h[:, 1], h[:, 5], extra[:, 1]])
+        unique, index = np.unique(codes, return_inverse=True)
+        names = np.array(buffer_names(unique), dtype=object)[index]
+        n = len(h)
+        rows = h.astype(object)
+        rows[:, 1], rows[:, 5] = names[:n], names[n:2 * n]
+        more = extra.astype(object)
+        more[:, 1] = names[2 * n:]
+        rows, more, starts = rows.tolist(), more.tolist(), self.starts.tolist()
+        for g, t in enumerate(rows):
+            for d in more[starts[g]:starts[g + 1]]:
+                t.extend(d)
+        return rows
+
+
+def transfer_array(transfers) -> np.ndarray:
+    """Transfers as an array (rows ``program.TRANSFER_FIELDS``, buffers by ``buffer_code``): an
+    array as it is, or lists with buffer names (``o12``)."""
+    if isinstance(transfers, np.ndarray):
+        return transfers
+    return np.array([[t[0], buffer_code(t[1]), *t[2:5], buffer_code(t[5]), *t[6:10]] for t in transfers],
+                    dtype=np.int64).reshape(-1, 10)
+
+
+def transfer_lists(transfers: np.ndarray) -> list[list]:
+    """An array of transfers as lists with buffer names (``transfer_array``'s inverse)."""
+    t = np.asarray(transfers, dtype=np.int64).reshape(-1, 10)
+    return Groups(t, np.zeros((0, 4), np.int64), np.zeros(len(t) + 1, np.int64)).lists()
+
+
+def coalesce_array(t: np.ndarray) -> np.ndarray:
+    """``coalesce`` over an array of transfers."""
+    t = np.array(t, dtype=np.int64).reshape(-1, 10)
+    flat = (t[:, 8] > 1) & (t[:, 3] == t[:, 9]) & (t[:, 7] == t[:, 9])
+    whole = t[flat, 8] * t[flat, 9]
+    t[flat, 8], t[flat, 9], t[flat, 3], t[flat, 7] = 1, whole, whole, whole
+    t = t[np.lexsort((t[:, 2], t[:, 5], t[:, 4], t[:, 1], t[:, 0]))]
+    if len(t) < 2:
+        return t
+    p, q = t[:-1], t[1:]
+    joins = ((p[:, 0] == q[:, 0]) & (p[:, 1] == q[:, 1]) & (p[:, 4] == q[:, 4]) & (p[:, 5] == q[:, 5])
+             & (p[:, 8] == 1) & (q[:, 8] == 1) & (p[:, 2] + p[:, 9] == q[:, 2]) & (p[:, 6] + p[:, 9] == q[:, 6]))
+    if not joins.any():
+        return t
+    head = np.concatenate([[True], ~joins])
+    run = np.cumsum(head) - 1
+    out = t[head].copy()
+    total = np.bincount(run, weights=t[:, 9], minlength=len(out)).astype(np.int64)
+    merged = np.bincount(run, minlength=len(out)) > 1
+    out[merged, 9] = total[merged]
+    out[merged, 3] = out[merged, 7] = total[merged]
+    return out
+
+
+def broadcast_groups(t: np.ndarray, paired: bool) -> Groups:
+    """``broadcasts`` over an array of (coalesced) transfers."""
+    t = np.asarray(t, dtype=np.int64).reshape(-1, 10)
+    n = len(t)
+    pos = np.arange(n)
+    local = t[:, 0] == t[:, 4]
+    # the source rows each transfer sends: one id per distinct (st, sb, so, ss, rows, rb)
+    by_source = np.lexsort((t[:, 9], t[:, 8], t[:, 3], t[:, 2], t[:, 1], t[:, 0]))
+    cols = t[by_source][:, [0, 1, 2, 3, 8, 9]]
+    new = np.concatenate([[True], (cols[1:] != cols[:-1]).any(axis=1)]) if n else np.zeros(0, bool)
+    source = np.empty(n, np.int64)
+    source[by_source] = np.cumsum(new) - 1
+    port = t[:, 4] // 2 if paired else t[:, 4]
+    # a transfer joins the source's group numbered by how many before it had its port
+    remote = pos[~local]
+    order = remote[np.lexsort((remote, port[remote], source[remote]))]
+    s, q = source[order], port[order]
+    first = np.concatenate([[True], (s[1:] != s[:-1]) | (q[1:] != q[:-1])]) if len(order) else np.zeros(0, bool)
+    run_start = np.maximum.accumulate(np.where(first, np.arange(len(order)), 0)) if len(order) else order
+    nth = np.empty(n, np.int64)
+    nth[order] = np.arange(len(order)) - run_start
+    nth[local] = 0
+    # items: a local copy on its own; a group (source, nth) at its first member, members in order
+    group_key = np.where(local, -1 - pos, source * (n + 1) + nth)
+    by_group = np.lexsort((pos, group_key))
+    gk = group_key[by_group]
+    lead = np.concatenate([[True], gk[1:] != gk[:-1]]) if n else np.zeros(0, bool)
+    gid = np.cumsum(lead) - 1
+    heads_at = by_group[lead]                      # each group's first member
+    item_order = np.argsort(heads_at, kind="stable")
+    rank = np.empty(len(heads_at), np.int64)
+    rank[item_order] = np.arange(len(heads_at))
+    members = by_group[~lead]
+    member_rank = rank[gid[~lead]]
+    members = members[np.lexsort((members, member_rank))]
+    member_rank = np.sort(member_rank, kind="stable")
+    starts = np.searchsorted(member_rank, np.arange(len(heads_at) + 1))
+    return Groups(t[heads_at[item_order]], t[members][:, 4:8], starts.astype(np.int64))
+
+
+def grouped_arrays(transfers: np.ndarray) -> tuple[np.ndarray, Groups, Groups]:
+    """``grouped`` over an array of transfers."""
+    merged = coalesce_array(transfers)
+    return merged, broadcast_groups(merged, paired=False), broadcast_groups(merged, paired=True)
 
 
 def _ports_and_duration(t: list, machine: dict, paired: bool) -> tuple[list, int]:
@@ -172,14 +296,18 @@ def grouped(transfers: list[list]) -> tuple[list, list, list]:
     return merged, broadcasts(merged, paired=False), broadcasts(merged, paired=True)
 
 
-def schedule_phase(transfers: list[list], machine: dict) -> dict:
-    """Compare ordinary and paired schedules of one exchange phase (each with its own
-    broadcasts) and keep the shorter."""
-    merged, plain, pairs = grouped(transfers)
-    ordinary, order_o = schedule(plain, machine, paired=False)
-    paired, order_p = schedule(pairs, machine, paired=True)
+def schedule_phase(transfers, machine: dict) -> dict:
+    """Compare ordinary and paired schedules of one exchange phase (its transfers as
+    ``transfer_array`` takes them; each schedule with its own broadcasts) and keep the shorter."""
+    from . import exchange_native
+    merged, plain, pairs = grouped_arrays(transfer_array(transfers))
+    found = [exchange_native.schedule_groups(g, machine, paired=p) for g, p in ((plain, False), (pairs, True))]
+    if None in found:
+        found = [schedule_python(g.lists(), machine, paired=p) for g, p in ((plain, False), (pairs, True))]
+    (ordinary, order_o), (paired, order_p) = found
     use_paired = paired < ordinary
     chosen, order = (pairs, order_p) if use_paired else (plain, order_o)
+    chosen = chosen.lists()
     return {"transfers": [chosen[i] for i in order],
             "ordinary_horizon": ordinary, "paired_horizon": paired, "use_paired": use_paired,
             "horizon": min(ordinary, paired), "candidates": len(merged)}

@@ -77,12 +77,27 @@ def _load():
 def model(transfers: list[list], machine: dict, paired: bool):
     """``(nbytes, ptr, ports, dur, nports)``: each transfer's bytes, its ports (CSR: ``ports[ptr[i]:
     ptr[i + 1]]``, ids ordered as ``exchange._ports_and_duration``'s tuples) and its duration."""
-    x = machine["exchange"]
     width = max(map(len, transfers))
     pad = [-1] * ((width - 10) // 4)
     # [src_tile, rows, row_bytes, dst_tile, further dst_tiles..., -1 padding] (tiles are >= 0)
     a = np.array([[t[0], t[8], t[9], t[4], *t[10::4], *pad[:(width - len(t)) // 4]] for t in transfers],
                  dtype=np.int64)
+    return _model(a, machine, paired)
+
+
+def _destinations(groups) -> np.ndarray:
+    """Each group's destination tiles, padded with -1: ``[groups, most destinations]``."""
+    counts = np.diff(groups.starts)
+    out = np.full((len(groups), 1 + int(counts.max(initial=0))), -1, np.int64)
+    out[:, 0] = groups.heads[:, 4]
+    owner = np.repeat(np.arange(len(groups)), counts)
+    out[owner, 1 + np.arange(len(owner)) - groups.starts[owner]] = groups.extra[:, 0]
+    return out
+
+
+def _model(a: np.ndarray, machine: dict, paired: bool):
+    """``model`` of rows ``[src_tile, rows, row_bytes, dst_tiles (padded with -1)...]``."""
+    x = machine["exchange"]
     n = len(a)
     st, rows = a[:, 0], a[:, 1]
     nbytes = rows * a[:, 2]
@@ -117,13 +132,43 @@ def model(transfers: list[list], machine: dict, paired: bool):
 
 def schedule(transfers: list[list], machine: dict, paired: bool) -> tuple[int, list[int]] | None:
     """``exchange.schedule``'s result, computed here; None if the C loops are not available."""
-    lib = library()
-    if lib is None or not transfers:
+    if library() is None or not transfers:
         return None
-    nbytes, ptr, ports, dur, nports = model(transfers, machine, paired)
     n = len(transfers)
     tie = np.empty(n, np.int64)        # rank by content (fields may be buffer names)
     tie[sorted(range(n), key=lambda i: (transfers[i], i))] = np.arange(n)
+    return _schedule(model(transfers, machine, paired), tie)
+
+
+def schedule_groups(groups, machine: dict, paired: bool) -> tuple[int, list[int]] | None:
+    """``schedule`` of ``exchange.Groups`` (``groups.lists()``'s schedule, without the lists)."""
+    if library() is None or not len(groups):
+        return None
+    dests = _destinations(groups)
+    h = groups.heads
+    tie = _content_rank(groups)
+    return _schedule(_model(np.concatenate([h[:, [0, 8, 9]], dests], axis=1), machine, paired), tie)
+
+
+def _content_rank(groups) -> np.ndarray:
+    """Each group's rank when the groups' lists are sorted (ties: their index), from the arrays:
+    by their heads, and where heads are equal by their further destinations."""
+    h = groups.heads
+    n = len(h)
+    by_head = np.lexsort(h.T[::-1])
+    same = (h[by_head][1:] == h[by_head][:-1]).all(axis=1)
+    if same.any():                      # equal heads: compare the whole lists
+        lists = groups.lists()
+        by_head = np.array(sorted(range(n), key=lambda i: (lists[i], i)), dtype=np.int64)
+    tie = np.empty(n, np.int64)
+    tie[by_head] = np.arange(n)
+    return tie
+
+
+def _schedule(modelled, tie: np.ndarray) -> tuple[int, list[int]]:
+    lib = library()
+    nbytes, ptr, ports, dur, nports = modelled
+    n = len(tie)
     largest = np.lexsort((tie, -nbytes)).astype(np.int32)
     free = np.zeros(nports, np.int64)
     c = lambda arr: arr.ctypes.data  # noqa: E731

@@ -13,13 +13,13 @@ import numpy as np
 
 from ...graph import tensors
 from ...graph.artifacts import graph_of, machine_of, params_of, to_json as _json
-from ...graph.artifacts import to_plan_json as _plan
+from ...graph.artifacts import to_plan_blob, to_plan_json as _plan
 from ...engine.engine import phase
 from ...engine.executors import run_phases
 from ...engine.log import log, progress
 from . import codegen, exchange, storage as mem
 from .cost import program_cost
-from .program import build_program, kernels_per_tile
+from .program import build_program, kernels_per_tile, program_blob
 
 OPS = ("ipubuild_operators",)
 
@@ -46,25 +46,23 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     coalesced transfers grouped into broadcasts for an ordinary or a paired schedule); placing
     storage only merges entries."""
     per_tile = kernels_per_tile(program)
-    table: dict[str, int] = {}
+    tiles = program["tile_count"]
+    table = np.zeros(tiles, np.int64)
+    entry = codegen.exchange_bytes(1, 0) - codegen.exchange_bytes(0, 0)
+    per_destination = codegen.exchange_bytes(0, 1) - codegen.exchange_bytes(0, 0)
     for step in program["steps"]:
-        if not step["transfers"]:
+        if not len(step["transfers"]):
             continue
         # not kept for schedule_exchange_phase: on ViT-B/16 every step's groups at once are
-        # gigabytes of lists (it groups them again, one step at a time)
-        _, plain, pairs = exchange.grouped(step["transfers"])
-        sizes = []
-        for groups in (plain, pairs):
-            size: dict[str, int] = {}
-            for t in groups:
-                size[str(t[0])] = size.get(str(t[0]), 0) + codegen.exchange_bytes(1, len(exchange.destination_tiles(t))) \
-                    - codegen.exchange_bytes(0, 0)
-            sizes.append(size)
-        for tile in set(sizes[0]) | set(sizes[1]):
-            table[tile] = table.get(tile, 0) + max(sizes[0].get(tile, 0), sizes[1].get(tile, 0))
+        # gigabytes (it groups them again, one step at a time)
+        _, plain, pairs = exchange.grouped_arrays(step["transfers"])
+        sizes = [np.bincount(g.heads[:, 0], weights=entry + per_destination * g.destinations(), minlength=tiles)
+                 for g in (plain, pairs)]
+        table += np.maximum(*sizes).astype(np.int64)
+    table = table.tolist()
     by_tile = _steps_by_tile(program)
     return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
-            + table.get(tile, 0) + _program_size(program, tile, per_tile.get(tile, []), by_tile)
+            + table[int(tile)] + _program_size(program, tile, per_tile.get(tile, []), by_tile)
             for tile in program["buffers"]}
 
 
@@ -120,7 +118,7 @@ def place_provisional_storage(ctx):
     g, m = graph_of(ctx), machine_of(ctx)
     program = build_program(g, ctx.json("layout"), ctx.config["target"]["tile_count"])
     code = provisional_code_bytes(program, reservations_of(ctx))
-    return {"program": _plan(program), "provisional_storage": _plan(_allocate_all(program, code, m))}
+    return {"program": program_blob(program), "provisional_storage": _plan(_allocate_all(program, code, m))}
 
 
 @phase("schedule_exchange_phase", inputs=("transfers", "machine"), outputs=("schedule",))
@@ -135,10 +133,10 @@ def schedule_provisional_exchanges(ctx):
     program = ctx.json("program")
     out = []
     for s, step in enumerate(program["steps"]):
-        if not step["transfers"]:
+        if not len(step["transfers"]):
             out.append({"transfers": [], "horizon": 0, "use_paired": False})
             continue
-        transfers = ctx.engine.put(_plan(step["transfers"]), pin=True)
+        transfers = ctx.engine.put(to_plan_blob(step["transfers"], ((),)), pin=True)
         r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
         sched = ctx.engine.decoded(r.outputs["schedule"])
         if r.hit:

@@ -12,8 +12,17 @@ from collections import defaultdict
 import numpy as np
 
 from ...engine.errors import UserError
+from ...graph.artifacts import buffer_code, to_plan_blob
 from ...graph.ir import Graph
 from ...graph.operators import key, registry
+
+
+TRANSFER_FIELDS = ("src_tile", "src_buf", "src_off", "src_stride", "dst_tile", "dst_buf", "dst_off", "dst_stride",
+                   "rows", "row_bytes")
+
+
+def no_transfers() -> np.ndarray:
+    return np.zeros((0, len(TRANSFER_FIELDS)), np.int32)
 
 
 def row_keys(rows: np.ndarray) -> np.ndarray:
@@ -32,6 +41,7 @@ class Blocks:
 
     def __init__(self):
         self.items: list = []
+        self._codes: list = []          # buffer_code of the first len(_codes) items' buffers
         self._exact: dict = {}
         self._arr = self._tiles = self._grid = self._keys = None
         self._memo: dict = {}
@@ -68,6 +78,11 @@ class Blocks:
         if getattr(self, "_tiles", None) is None or len(self._tiles) != len(self.items):
             self._tiles = np.array([t for t, _, _ in self.items], dtype=np.int64)
         return self._tiles, self._arr
+
+    def codes(self) -> np.ndarray:
+        """The ``buffer_code`` of each stored block's buffer (a program's blocks: buffers by name)."""
+        self._codes.extend(buffer_code(b) for _, b, _ in self.items[len(self._codes):])
+        return np.array(self._codes, dtype=np.int64)
 
     def pairs(self, reads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(read index, stored index) of every stored block overlapping a read block (rows of
@@ -288,8 +303,9 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
         for stage_index, stage in enumerate(lowering.stages):
             s = len(steps)
             step = {"name": f"{op.name}#{stage_index}" if len(lowering.stages) > 1 else op.name,
-                    "op": op.id, "transfers": [], "vertices": {}, "writes": []}
+                    "op": op.id, "transfers": None, "vertices": {}, "writes": []}
             gathered: dict[tuple, str] = {}
+            gathers: list[tuple] = []       # (value, read block, tile, buffer, item size, blocks stored so far)
             for work in stage:
                 if not 0 <= work.tile < tile_count:
                     raise UserError(f"operation {op.name}", f"its plan {resolver.plans[op.id][choice[0]]} needs tile "
@@ -319,7 +335,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                             bid = gathered[(tile, blk)]
                         else:
                             bid = gathered[(tile, blk)] = new_buf(tile, "g", size, s, value=vk)
-                            step["transfers"].extend(_transfers(stored[vk], blk, tile, bid, isz, name, use, s))
+                            gathers.append((vk, blk, tile, bid, isz, len(stored[vk].items)))
                     use(tile, bid, s)
                     read_bufs.append(bid)
                 write_bufs = []
@@ -338,6 +354,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                     verts.append([kernel, [_arg(a, read_bufs, write_bufs) for a in args]])
                 # which buffer holds each block written, and the vertices that wrote it (for read-back)
                 step["writes"].extend([tile, bid, *blk, first, len(verts)] for bid, blk in zip(write_bufs, work.writes))
+            step["transfers"] = _gather(gathers, stored, buffers, s, vinfo)
             steps.append(step)
 
     end = len(steps)
@@ -368,6 +385,11 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     }
 
 
+def program_blob(program: dict) -> bytes:
+    """The ``program`` artifact: its steps' transfers as arrays (``to_plan_blob``), the rest JSON."""
+    return to_plan_blob(program, (("steps", "*", "transfers"),))
+
+
 def _casts_in_place(graph: Graph, op, consumers) -> bool:
     """A cast stores its output over its input when the cast storage policy says ``inplace``
     for it, the cast narrows (the kernel then runs forward safely in place), and nothing else
@@ -386,19 +408,50 @@ def _arg(a, reads, writes):
     return a
 
 
-def _transfers(sources: Blocks, blk, tile, bid, isz, name, use, step):
-    vk, rr0, rr1, rc0, rc1 = blk
-    covered = 0
-    out = []
-    for src_tile, src_buf, (sr0, sr1, sc0, sc1), (ir0, ir1, ic0, ic1) in sources.overlapping((rr0, rr1, rc0, rc1)):
-        covered += (ir1 - ir0) * (ic1 - ic0)
-        use(src_tile, src_buf, step)
-        out.append([src_tile, src_buf, ((ir0 - sr0) * (sc1 - sc0) + (ic0 - sc0)) * isz, (sc1 - sc0) * isz,
-                    tile, bid, ((ir0 - rr0) * (rc1 - rc0) + (ic0 - rc0)) * isz, (rc1 - rc0) * isz,
-                    ir1 - ir0, (ic1 - ic0) * isz])
-    if covered != (rr1 - rr0) * (rc1 - rc0):
-        raise AssertionError(f"block {blk} of {name} is not covered by its producer's blocks")
-    return out
+def _gather(gathers: list[tuple], stored: dict, buffers: dict, step: int, vinfo) -> np.ndarray:
+    """The transfers of one step, as an array (rows: ``TRANSFER_FIELDS``, buffers as
+    ``buffer_code``): for each gathered read block in turn, a transfer from every block stored
+    before it that it overlaps (in the order they were stored), each the rows of their
+    intersection. Marks each source buffer live until ``step``."""
+    if not gathers:
+        return no_transfers()
+    by_value: dict[str, list[int]] = {}
+    for i, g in enumerate(gathers):
+        by_value.setdefault(g[0], []).append(i)
+    parts = []
+    for vk, idx in by_value.items():
+        src = stored[vk]
+        reads = np.array([gathers[i][1][1:] for i in idx], dtype=np.int64).reshape(-1, 4)
+        ri, si = src.pairs(reads)
+        seen = np.array([gathers[i][5] for i in idx], dtype=np.int64)
+        keep = si < seen[ri]                  # blocks stored later in this step are not there yet
+        ri, si = ri[keep], si[keep]
+        tiles, blocks = src.arrays()
+        codes = src.codes()
+        r, b = reads[ri], blocks[si]
+        ir0, ir1 = np.maximum(r[:, 0], b[:, 0]), np.minimum(r[:, 1], b[:, 1])
+        ic0, ic1 = np.maximum(r[:, 2], b[:, 2]), np.minimum(r[:, 3], b[:, 3])
+        covered = np.bincount(ri, weights=(ir1 - ir0) * (ic1 - ic0), minlength=len(idx))
+        want = (reads[:, 1] - reads[:, 0]) * (reads[:, 3] - reads[:, 2])
+        if (covered != want).any():
+            k = int(np.nonzero(covered != want)[0][0])
+            raise AssertionError(f"block {gathers[idx[k]][1]} of {vinfo(vk)[3]} is not covered by its producer's blocks")
+        isz = vinfo(vk)[2]
+        order = np.asarray(idx, dtype=np.int64)[ri]
+        dst = np.array([(gathers[i][2], buffer_code(gathers[i][3])) for i in idx], dtype=np.int64).reshape(-1, 2)[ri]
+        rows = np.stack([tiles[si], codes[si], ((ir0 - b[:, 0]) * (b[:, 3] - b[:, 2]) + (ic0 - b[:, 2])) * isz,
+                         (b[:, 3] - b[:, 2]) * isz, dst[:, 0], dst[:, 1],
+                         ((ir0 - r[:, 0]) * (r[:, 3] - r[:, 2]) + (ic0 - r[:, 2])) * isz, (r[:, 3] - r[:, 2]) * isz,
+                         ir1 - ir0, (ic1 - ic0) * isz], axis=1)
+        parts.append((order, si, rows))
+        for i in np.unique(si).tolist():      # the sources live until this step
+            tile, buf, _ = src.items[i]
+            b = buffers[tile][buf]
+            b["end"] = max(b["end"], step)
+    order = np.concatenate([o for o, _, _ in parts])
+    si = np.concatenate([x for _, x, _ in parts])
+    rows = np.concatenate([x for _, _, x in parts])
+    return np.ascontiguousarray(rows[np.lexsort((si, order))], dtype=np.int32)
 
 
 def kernels_per_tile(program: dict) -> dict[str, list[str]]:
