@@ -284,7 +284,7 @@ def test_schedule_phase_prefers_ordinary_unless_paired_is_shorter(transfers):
     assert s["horizon"] == min(ordinary, paired)
     assert s["candidates"] == len(merged)
     chosen = exchange.broadcasts(merged, s["use_paired"])
-    assert sorted(map(str, s["transfers"])) == sorted(map(str, chosen))
+    assert sorted(map(str, exchange.scheduled(s).lists())) == sorted(map(str, chosen))
 
 
 @st.composite
@@ -528,7 +528,7 @@ def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
     entries = defaultdict(list)
     for s, step in enumerate(program["steps"]):
         if len(step["transfers"]):
-            for t in exchange.schedule_phase(step["transfers"], MACHINE)["transfers"]:
+            for t in exchange.scheduled(exchange.schedule_phase(step["transfers"], MACHINE)).lists():
                 entries[str(t[0])].append([s, t[0], 0, t[3], t[4], 0, t[7], t[8], t[9],
                                            *[x for d in zip(t[10::4], t[12::4], t[13::4]) for x in (d[0], 0, d[2])]])
     broadcast = 0
@@ -538,3 +538,65 @@ def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
         assert bound[tile] >= code, tile
         broadcast += any(len(e) > 9 for e in entries.get(tile, []))
     assert broadcast       # the bound is met with broadcasts in the tables
+
+
+def _merge_adjacent_lists(entries):
+    """The list form ``exchange.merge_adjacent`` had: the reference its arrays are checked against."""
+    def dests(e):
+        return [tuple(e[3:6]), *zip(e[8::3], e[9::3], e[10::3])]
+    out = []
+    for e in entries:
+        if out:
+            p = out[-1]
+            pd, ed = dests(p), dests(e)
+            if p[0] == e[0] and p[6] == 1 and e[6] == 1 and p[1] + p[7] == e[1] and len(pd) == len(ed) \
+                    and all(a[0] == b[0] and a[1] + p[7] == b[1] for a, b in zip(pd, ed)):
+                p[7] += e[7]
+                p[2] = p[5] = p[7]
+                p[10::3] = [p[7]] * len(p[10::3])
+                continue
+        out.append(list(e))
+    return out
+
+
+@st.composite
+def placed_entries_st(draw):
+    """Placed entries as a schedule leaves them: runs of single rows that continue one another
+    on every side, broken by a change of tile, of row count, of destinations or of address."""
+    out, addr = [], 0
+    for _ in range(draw(st.integers(1, 30))):
+        rb = draw(st.sampled_from([4, 8]))
+        src = draw(st.integers(0, 2))
+        dests = draw(st.lists(st.integers(0, 3), min_size=1, max_size=3, unique=True))
+        rows = draw(st.sampled_from([1, 1, 1, 2]))
+        if draw(st.booleans()):
+            addr += draw(st.sampled_from([4, 8, 12]))
+        e = [src, 1000 + addr, rb, dests[0], 2000 + addr, rb, rows, rb]
+        for d in dests[1:]:
+            e.extend([d, 3000 + 100 * d + addr, rb])
+        out.append(e)
+        addr += rb
+    return out
+
+
+@FAST
+@given(placed_entries_st())
+def test_merging_placed_entries_over_arrays_is_the_list_merge(entries):
+    merged = exchange.merge_adjacent(exchange.placed_entries(entries))
+    assert merged.entry_lists() == _merge_adjacent_lists([list(e) for e in entries])
+
+
+def test_resolving_a_schedule_places_every_buffer_at_its_address():
+    sched = exchange.schedule_phase([[0, "o1", 8, 16, 1, "g2", 0, 16, 2, 16], [0, "o1", 8, 16, 2, "g3", 4, 16, 2, 16],
+                                     [1, "o10", 0, 8, 1, "g2", 32, 8, 1, 8]], MACHINE)
+    addresses = {"0": {"o1": 100}, "1": {"g2": 200, "o10": 300}, "2": {"g3": 400}}
+    want = []
+    for t in exchange.scheduled(sched).lists():
+        e = [t[0], addresses[str(t[0])][t[1]] + t[2], t[3], t[4], addresses[str(t[4])][t[5]] + t[6], t[7], t[8], t[9]]
+        for d, b, o, s in zip(t[10::4], t[11::4], t[12::4], t[13::4]):
+            e.extend([d, addresses[str(d)][b] + o, s])
+        want.append(e)
+    assert exchange.resolve(exchange.scheduled(sched), addresses).entry_lists() == want
+    assert any(len(e) > 8 for e in want)           # a broadcast among them
+    with pytest.raises(KeyError):
+        exchange.resolve(exchange.scheduled(sched), {"0": {"o1": 100}, "1": {"g2": 200}, "2": {"g3": 400}})

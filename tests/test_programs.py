@@ -117,7 +117,7 @@ def test_vit_fp8_attention_stays_on_the_tiles_of_its_heads(vit):
 
 def test_vit_fp8_broadcasts_and_folds_its_casts(vit):
     placed, program = vit.json("placed_exchanges"), vit.json("program")
-    fanout = [len(e[8:]) // 3 + 1 for table in placed for e in table["entries"]]
+    fanout = [len(e[8:]) // 3 + 1 for table in placed for e in exchange.Groups.from_fields(table).entry_lists()]
     assert max(fanout) > 1 and sum(f > 1 for f in fanout) >= 10      # blocks sent once to several tiles
     casts = [s["name"] for s in program["steps"] if s["name"].startswith("cast_")]
     assert casts == ["cast_block0.softmax"]                          # every other cast folded into its producer
@@ -193,7 +193,7 @@ def test_a_paired_exchange_plan_builds_runs_and_is_timed_paired_on_the_simulator
     assert paired, "no step of the paired target uses paired exchange"
     m = load_machine("ipu21")
     for s in paired:
-        entries = placed[s]["entries"]
+        entries = exchange.Groups.from_fields(placed[s])
         with_pairs, ordinary = exchange.horizon_of(entries, m, True), exchange.horizon_of(entries, m, False)
         assert with_pairs < ordinary, (s, with_pairs, ordinary)
         # the simulator times the step as the planner did: paired, not ordinary

@@ -80,6 +80,24 @@ def buffer_names(codes: np.ndarray) -> list[str]:
     return np.ascontiguousarray(chars).view(f"S{_DIGITS + 1}").ravel().astype(str).tolist()
 
 
+def buffer_codes(names: list[str]) -> np.ndarray:
+    """``buffer_code`` of each of a list of buffer names."""
+    if not names:
+        return np.zeros(0, np.int64)
+    raw = np.array(names, dtype=f"S{_DIGITS + 2}").view(np.uint8).reshape(len(names), _DIGITS + 2)
+    if raw[:, -1].any():
+        raise ValueError(f"buffer names of more than {_DIGITS} digits: a program numbers at most 10**{_DIGITS}")
+    kind = np.searchsorted(np.frombuffer(BUFFER_KINDS.encode(), np.uint8), raw[:, 0])
+    if not (np.frombuffer(BUFFER_KINDS.encode(), np.uint8)[np.minimum(kind, len(BUFFER_KINDS) - 1)] == raw[:, 0]).all():
+        raise ValueError("a buffer name does not begin with one of " + BUFFER_KINDS)
+    digits = raw[:, 1:1 + _DIGITS].astype(np.int64)
+    digits = np.where(digits > 0, digits - ord("0") + 1, 0)
+    code = kind.astype(np.int64)
+    for p in range(_DIGITS):
+        code = code * 11 + digits[:, p]
+    return code
+
+
 class PlanBlob(bytes):
     """A plan blob's bytes, remembering the value they encode (as ``canonical.Json``)."""
 

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...graph.artifacts import buffer_code, buffer_names
+from ...graph.artifacts import buffer_code, buffer_codes, buffer_names
 
 from ...graph.operators import ceil_div
 
@@ -77,7 +77,10 @@ def broadcasts(transfers: list[list], paired: bool) -> list[list]:
 # the same over arrays (rows: program.TRANSFER_FIELDS, buffers as program.buffer_code) ----------
 class Groups(NamedTuple):
     """Broadcasts as arrays: group ``g`` sends ``heads[g]`` (a transfer's fields) and also to the
-    destinations ``extra[starts[g]:starts[g + 1]]`` (rows ``dst_tile, dst_buf, dst_off, dst_stride``)."""
+    destinations ``extra[starts[g]:starts[g + 1]]`` (rows ``dst_tile, dst_buf, dst_off, dst_stride``).
+    Placed entries (``resolve``) are the same with addresses: heads ``src_tile, src_addr,
+    src_stride, dst_tile, dst_addr, dst_stride, rows, row_bytes``, extra ``dst_tile, dst_addr,
+    dst_stride``."""
 
     heads: np.ndarray
     extra: np.ndarray
@@ -90,17 +93,45 @@ class Groups(NamedTuple):
         """Each group's number of destination tiles."""
         return 1 + np.diff(self.starts)
 
-    def lists(self) -> list[list]:
-        """The groups as ``broadcasts`` gives them (buffers by name)."""
+    def take(self, order) -> "Groups":
+        """The groups in ``order`` (indices)."""
+        order = np.asarray(order, dtype=np.int64)
+        counts = np.diff(self.starts)[order]
+        owner = np.repeat(order, counts)
+        first = np.cumsum(counts) - counts
+        at = self.starts[owner] + np.arange(len(owner)) - np.repeat(first, counts)
+        return Groups(self.heads[order], self.extra[at], np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+
+    def as_fields(self) -> dict:
+        """The groups as an artifact's fields (int32 arrays; ``from_fields`` reads them)."""
+        return {"heads": self.heads.astype(np.int32), "extra": self.extra.astype(np.int32),
+                "starts": self.starts.astype(np.int64)}
+
+    @classmethod
+    def from_fields(cls, d: dict) -> "Groups":
+        return cls(np.asarray(d["heads"], dtype=np.int64), np.asarray(d["extra"], dtype=np.int64),
+                   np.asarray(d["starts"], dtype=np.int64))
+
+    def entry_lists(self) -> list[list]:
+        """Placed entries as ``resolve`` gave them: ``[src_tile, src_addr, src_stride, dst_tile,
+        dst_addr, dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]``."""
+        rows, more, starts = self.heads.tolist(), self.extra.tolist(), self.starts.tolist()
+        for g, e in enumerate(rows):
+            for d in more[starts[g]:starts[g + 1]]:
+                e.extend(d)
+        return rows
+
+    def lists(self, numbered: bool = False) -> list[list]:
+        """The groups as ``broadcasts`` gives them (buffers by name, or as they are if ``numbered``)."""
         h, extra = self.heads, self.extra
-        codes = np.concatenate([h[:, 1], h[:, 5], extra[:, 1]])
-        unique, index = np.unique(codes, return_inverse=True)
-        names = np.array(buffer_names(unique), dtype=object)[index]
-        n = len(h)
-        rows = h.astype(object)
-        rows[:, 1], rows[:, 5] = names[:n], names[n:2 * n]
-        more = extra.astype(object)
-        more[:, 1] = names[2 * n:]
+        rows, more = h.astype(object), extra.astype(object)
+        if not numbered:
+            codes = np.concatenate([h[:, 1], h[:, 5], extra[:, 1]])
+            unique, index = np.unique(codes, return_inverse=True)
+            names = np.array(buffer_names(unique), dtype=object)[index]
+            n = len(h)
+            rows[:, 1], rows[:, 5] = names[:n], names[n:2 * n]
+            more[:, 1] = names[2 * n:]
         rows, more, starts = rows.tolist(), more.tolist(), self.starts.tolist()
         for g, t in enumerate(rows):
             for d in more[starts[g]:starts[g + 1]]:
@@ -298,7 +329,9 @@ def grouped(transfers: list[list]) -> tuple[list, list, list]:
 
 def schedule_phase(transfers, machine: dict) -> dict:
     """Compare ordinary and paired schedules of one exchange phase (its transfers as
-    ``transfer_array`` takes them; each schedule with its own broadcasts) and keep the shorter."""
+    ``transfer_array`` takes them; each schedule with its own broadcasts) and keep the shorter:
+    its groups in the order they start (``as_fields``: ``scheduled`` reads them back), both
+    horizons, and how many coalesced transfers they group."""
     from . import exchange_native
     merged, plain, pairs = grouped_arrays(transfer_array(transfers))
     found = [exchange_native.schedule_groups(g, machine, paired=p) for g, p in ((plain, False), (pairs, True))]
@@ -307,62 +340,125 @@ def schedule_phase(transfers, machine: dict) -> dict:
     (ordinary, order_o), (paired, order_p) = found
     use_paired = paired < ordinary
     chosen, order = (pairs, order_p) if use_paired else (plain, order_o)
-    chosen = chosen.lists()
-    return {"transfers": [chosen[i] for i in order],
+    return {**chosen.take(order).as_fields(),
             "ordinary_horizon": ordinary, "paired_horizon": paired, "use_paired": use_paired,
             "horizon": min(ordinary, paired), "candidates": len(merged)}
 
 
-def resolve(transfers: list[list], addresses: dict[str, dict[str, int]]) -> list[list]:
-    """Buffer-relative transfers to absolute ``[src_tile, src_addr, src_stride, dst_tile,
-    dst_addr, dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]`` entries."""
-    out = []
-    for t in transfers:
-        st, sb, so, ss, dt, db, do, ds, rows, rb = t[:10]
-        e = [st, addresses[str(st)][sb] + so, ss, dt, addresses[str(dt)][db] + do, ds, rows, rb]
-        for d, b, o, s in zip(t[10::4], t[11::4], t[12::4], t[13::4]):
-            e.extend([d, addresses[str(d)][b] + o, s])
-        out.append(e)
-    return out
+def no_schedule() -> dict:
+    """The schedule of a step that exchanges nothing."""
+    empty = Groups(np.zeros((0, 10), np.int64), np.zeros((0, 4), np.int64), np.zeros(1, np.int64))
+    return {**empty.as_fields(), "horizon": 0, "use_paired": False}
 
 
-def entry_destinations(e: list) -> list[tuple]:
-    """``[(dst_tile, dst_addr, dst_stride), ...]`` of a placed entry."""
-    return [tuple(e[3:6]), *zip(e[8::3], e[9::3], e[10::3])]
+def scheduled(schedule: dict) -> Groups:
+    """A step's scheduled groups, in the order they start."""
+    return Groups.from_fields(schedule)
 
 
-def merge_adjacent(entries: list[list]) -> list[list]:
+SCHEDULE_ARRAYS = (("*", "heads"), ("*", "extra"), ("*", "starts"))
+"""Where a program's exchange schedule (and its tables) hold arrays: ``to_plan_blob``'s paths."""
+
+
+def resolve(groups: Groups, addresses: dict[str, dict[str, int]]) -> Groups:
+    """Scheduled groups with buffer-relative offsets as placed entries (``Groups``'s second form):
+    every buffer's address from ``addresses`` (``{tile: {buffer name: address}}``)."""
+    where = _Addresses(addresses)
+    h, x = groups.heads, groups.extra
+    heads = np.stack([h[:, 0], where.of(h[:, 0], h[:, 1]) + h[:, 2], h[:, 3],
+                      h[:, 4], where.of(h[:, 4], h[:, 5]) + h[:, 6], h[:, 7], h[:, 8], h[:, 9]], axis=1)
+    extra = np.stack([x[:, 0], where.of(x[:, 0], x[:, 1]) + x[:, 2], x[:, 3]], axis=1)
+    return Groups(heads.reshape(-1, 8), extra.reshape(-1, 3), groups.starts)
+
+
+class _Addresses:
+    """Buffer addresses by (tile, buffer code), looked up over arrays."""
+
+    def __init__(self, addresses: dict[str, dict[str, int]]):
+        tiles, names, addrs = [], [], []
+        for tile, table in addresses.items():
+            tiles.append(np.full(len(table), int(tile), np.int64))
+            names.extend(table)
+            addrs.extend(table.values())
+        codes = buffer_codes(names)
+        keys = np.concatenate(tiles + [np.zeros(0, np.int64)]) << 32 | codes
+        order = np.argsort(keys)
+        self.keys, self.addrs = keys[order], np.asarray(addrs, dtype=np.int64)[order]
+
+    def of(self, tiles: np.ndarray, codes: np.ndarray) -> np.ndarray:
+        want = tiles.astype(np.int64) << 32 | codes.astype(np.int64)
+        if not len(want):
+            return np.zeros(0, np.int64)
+        at = np.minimum(np.searchsorted(self.keys, want), max(len(self.keys) - 1, 0))
+        if not len(self.keys) or (self.keys[at] != want).any():
+            raise KeyError("a transfer names a buffer the storage did not place")
+        return self.addrs[at]
+
+
+def merge_adjacent(entries: Groups) -> Groups:
     """Merge single-row entries that became contiguous once placed (same source tile, same
-    destination tiles, adjacent addresses on every side); the order of the rest is kept."""
-    out: list[list] = []
-    for e in entries:
-        if out:
-            p = out[-1]
-            pd, ed = entry_destinations(p), entry_destinations(e)
-            if p[0] == e[0] and p[6] == 1 and e[6] == 1 and p[1] + p[7] == e[1] and len(pd) == len(ed) \
-                    and all(a[0] == b[0] and a[1] + p[7] == b[1] for a, b in zip(pd, ed)):
-                p[7] += e[7]
-                p[2] = p[5] = p[7]
-                p[10::3] = [p[7]] * len(p[10::3])
-                continue
-        out.append(list(e))
-    return out
+    destination tiles, adjacent addresses on every side); the order of the rest is kept. Each
+    entry is compared with the one before it: in a run of them, contiguous with the previous is
+    contiguous with the run."""
+    h, x, starts = entries.heads, entries.extra, entries.starts
+    n = len(h)
+    if n < 2:
+        return entries
+    counts = np.diff(starts)
+    p, e = h[:-1], h[1:]
+    joins = ((p[:, 0] == e[:, 0]) & (p[:, 6] == 1) & (e[:, 6] == 1) & (p[:, 1] + p[:, 7] == e[:, 1])
+             & (counts[:-1] == counts[1:]) & (p[:, 3] == e[:, 3]) & (p[:, 4] + p[:, 7] == e[:, 4]))
+    pairs = np.nonzero(joins)[0]                  # entry i + 1 may continue entry i
+    k = counts[pairs]
+    owner = np.repeat(pairs, k)
+    j = np.arange(len(owner)) - np.repeat(np.cumsum(k) - k, k)
+    a, b = x[starts[owner] + j], x[starts[owner + 1] + j]
+    bad = (a[:, 0] != b[:, 0]) | (a[:, 1] + h[owner, 7] != b[:, 1])
+    joins[np.unique(owner[bad])] = False
+    if not joins.any():
+        return entries
+    lead = np.concatenate([[True], ~joins])
+    run = np.cumsum(lead) - 1
+    total = np.bincount(run, weights=h[:, 7]).astype(np.int64)
+    merged = np.bincount(run) > 1
+    keep = np.nonzero(lead)[0]
+    out = entries.take(keep)
+    heads, extra = out.heads.copy(), out.extra.copy()
+    heads[merged, 7] = total[merged]
+    heads[merged, 2] = heads[merged, 5] = total[merged]
+    member = np.repeat(merged, np.diff(out.starts))
+    extra[member, 2] = np.repeat(total, np.diff(out.starts))[member]
+    return Groups(heads, extra, out.starts)
 
 
-def horizon_of(entries: list[list], machine: dict, paired: bool) -> int:
-    """The horizon of placed entries (same model as ``schedule``; memoised: a search candidate
-    changes few exchange phases)."""
-    key = (tuple(map(tuple, entries)), paired, tuple(sorted(machine["exchange"].items())))
+def placed_entries(entries: list[list]) -> Groups:
+    """Placed entries given as lists (an exchange table's, ``codegen.decode_exchange`` less the
+    step) as ``Groups``."""
+    heads = np.array([e[:8] for e in entries], dtype=np.int64).reshape(-1, 8)
+    extra = np.array([d for e in entries for d in zip(e[8::3], e[9::3], e[10::3])], dtype=np.int64).reshape(-1, 3)
+    counts = np.fromiter(((len(e) - 8) // 3 for e in entries), dtype=np.int64, count=len(entries))
+    return Groups(heads, extra, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+
+
+def horizon_of(entries, machine: dict, paired: bool) -> int:
+    """The horizon of placed entries (``Groups``, or lists as ``placed_entries`` takes them; same
+    model as ``schedule``; memoised: a search candidate changes few exchange phases)."""
+    from ...engine import canonical
+    if not isinstance(entries, Groups):
+        entries = placed_entries(entries)
+    key = (canonical.digest(b"".join(np.ascontiguousarray(a, dtype=np.int64).tobytes() for a in entries)),
+           paired, tuple(sorted(machine["exchange"].items())))
     found = _horizons.get(key)
     if found is None:
-        as_transfers = []
-        for e in entries:
-            st, sa, ss, dt, da, ds, rows, rb = e[:8]
-            t = [st, 0, sa, ss, dt, 0, da, ds, rows, rb]
-            for d, a, s in zip(e[8::3], e[9::3], e[10::3]):
-                t.extend([d, 0, a, s])
-            as_transfers.append(t)
-        found = schedule(as_transfers, machine, paired)[0]
+        from . import exchange_native
+        h, x = entries.heads, entries.extra
+        zeros = np.zeros(len(h), np.int64)
+        as_transfers = Groups(np.stack([h[:, 0], zeros, h[:, 1], h[:, 2], h[:, 3], zeros, h[:, 4], h[:, 5],
+                                        h[:, 6], h[:, 7]], axis=1).reshape(-1, 10),
+                              np.stack([x[:, 0], np.zeros(len(x), np.int64), x[:, 1], x[:, 2]], axis=1).reshape(-1, 4),
+                              entries.starts)
+        done = exchange_native.schedule_groups(as_transfers, machine, paired)
+        found = (done if done is not None else schedule_python(as_transfers.lists(numbered=True), machine, paired))[0]
         if len(_horizons) > 4096:
             _horizons.clear()
         _horizons[key] = found

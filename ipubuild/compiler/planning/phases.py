@@ -125,7 +125,8 @@ def place_provisional_storage(ctx):
 def schedule_exchange_phase(ctx):
     """One exchange phase's schedule: a sub-phase, so that identical phases (in this program or
     in a search candidate) reuse it from the cache."""
-    return {"schedule": _plan(exchange.schedule_phase(ctx.json("transfers"), machine_of(ctx)))}
+    return {"schedule": to_plan_blob(exchange.schedule_phase(ctx.json("transfers"), machine_of(ctx)),
+                                     tuple(path[1:] for path in exchange.SCHEDULE_ARRAYS))}
 
 
 @phase("schedule_provisional_exchanges", inputs=("program", "machine"), outputs=("exchange_schedule",))
@@ -134,7 +135,7 @@ def schedule_provisional_exchanges(ctx):
     out = []
     for s, step in enumerate(program["steps"]):
         if not len(step["transfers"]):
-            out.append({"transfers": [], "horizon": 0, "use_paired": False})
+            out.append(exchange.no_schedule())
             continue
         transfers = ctx.engine.put(to_plan_blob(step["transfers"], ((),)), pin=True)
         r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
@@ -146,7 +147,7 @@ def schedule_provisional_exchanges(ctx):
                      ordinary_horizon=sched["ordinary_horizon"], paired_horizon=sched["paired_horizon"],
                      use_paired=sched["use_paired"])
         out.append(sched)
-    return {"exchange_schedule": _plan(out)}
+    return {"exchange_schedule": to_plan_blob(out, exchange.SCHEDULE_ARRAYS)}
 
 
 @phase("plan_kernels", inputs=("program",), outputs=("kernel_plan",))
@@ -187,18 +188,20 @@ def link_kernels(ctx):
 @phase("size_tile_code", inputs=("program", "link_map", "exchange_schedule"), outputs=("code_sizes",))
 def size_tile_code(ctx):
     program, link, sched = ctx.json("program"), ctx.json("link_map"), ctx.json("exchange_schedule")
-    entries: dict[str, int] = {}
-    dests: dict[str, int] = {}
+    tiles = program["tile_count"]
+    entries = np.zeros(tiles, np.int64)
+    dests = np.zeros(tiles, np.int64)
     for s in sched:
-        for t in s["transfers"]:
-            entries[str(t[0])] = entries.get(str(t[0]), 0) + 1
-            dests[str(t[0])] = dests.get(str(t[0]), 0) + len(exchange.destination_tiles(t))
+        g = exchange.scheduled(s)
+        entries += np.bincount(g.heads[:, 0], minlength=tiles)
+        dests += np.bincount(g.heads[:, 0], weights=g.destinations(), minlength=tiles).astype(np.int64)
+    entries, dests = entries.tolist(), dests.tolist()
     out = {}
     by_tile = _steps_by_tile(program)
     for tile in program["buffers"]:
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
         prog = _program_size(program, tile, kernels, by_tile)
-        xch = codegen.exchange_bytes(entries.get(tile, 0), dests.get(tile, 0))
+        xch = codegen.exchange_bytes(entries[int(tile)], dests[int(tile)])
         kb = link["tiles"].get(tile, {"kernel_bytes": 0})["kernel_bytes"]
         out[tile] = {"kernel_bytes": kb, "program_bytes": prog, "exchange_table_bytes": xch,
                      "total": kb + prog + xch}
@@ -232,8 +235,8 @@ def _ranges(rs) -> str:
 def lower_exchanges(ctx):
     sched, placed = ctx.json("exchange_schedule"), ctx.json("storage")
     addresses = {t: v["addresses"] for t, v in placed.items()}
-    return {"exchange_tables": _plan([{"entries": exchange.resolve(s["transfers"], addresses),
-                                       "use_paired": s["use_paired"]} for s in sched])}
+    return {"exchange_tables": to_plan_blob([{**exchange.resolve(exchange.scheduled(s), addresses).as_fields(),
+                                              "use_paired": s["use_paired"]} for s in sched], exchange.SCHEDULE_ARRAYS)}
 
 
 @phase("optimize_exchange_placement", inputs=("exchange_tables", "program", "machine"),
@@ -242,15 +245,15 @@ def optimize_exchange_placement(ctx):
     tables, program, m = ctx.json("exchange_tables"), ctx.json("program"), machine_of(ctx)
     placed, horizons = [], []
     for t in tables:
-        entries = exchange.merge_adjacent(t["entries"])
-        placed.append({"entries": entries, "use_paired": t["use_paired"]})
-        horizons.append(exchange.horizon_of(entries, m, t["use_paired"]) if entries else 0)
+        entries = exchange.merge_adjacent(exchange.Groups.from_fields(t))
+        placed.append({**entries.as_fields(), "use_paired": t["use_paired"]})
+        horizons.append(exchange.horizon_of(entries, m, t["use_paired"]) if len(entries) else 0)
     cost = program_cost(program, horizons, m)
     log.info("costed final placed program", final_cycles=cost["final_cycles"], final_exchange=cost["final_exchange"])
     log.info("bounded final placed program", lower_bound=cost["lower_bound"],
              ratio=f"{cost['final_cycles'] / max(1, cost['lower_bound']):.3f}", peak_bound=cost["peak_bound"],
              peak_ratio=f"{cost['final_cycles'] / max(1, cost['peak_bound']):.3f}")
-    return {"placed_exchanges": _plan(placed), "cost": _json(cost)}
+    return {"placed_exchanges": to_plan_blob(placed, exchange.SCHEDULE_ARRAYS), "cost": _json(cost)}
 
 
 # code and images -------------------------------------------------------------------------------
@@ -264,7 +267,7 @@ def prepare_tile_code(ctx):
     consts, _ = params_of(ctx, g)
     sends: dict[str, list] = {t: [] for t in program["buffers"]}
     for s, table in enumerate(ctx.json("placed_exchanges")):
-        for e in table["entries"]:
+        for e in exchange.Groups.from_fields(table).entry_lists():
             sends[str(e[0])].append([s] + e)
     out = {}
     for tile, bufs in program["buffers"].items():
