@@ -10,7 +10,6 @@ the same build.
 """
 from __future__ import annotations
 
-import collections
 import heapq
 import itertools
 import json
@@ -148,38 +147,51 @@ def memory_maps(program: dict, storage: dict, code_sizes: dict, machine: dict) -
     return {"base": lo, "end": hi, "kinds": list(KINDS), "tiles": tiles}
 
 
-def _busiest(bytes_per_tile: collections.Counter) -> list[int]:
+def _busiest(bytes_per_tile: np.ndarray) -> list[int]:
     """``[tile, bytes]`` of the tile with the most bytes (the lowest such tile)."""
-    return list(min(bytes_per_tile.items(), key=lambda kv: (-kv[1], kv[0])))
+    tile = int(np.argmax(bytes_per_tile))
+    return [tile, int(bytes_per_tile[tile])]
 
 
 def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
     """The largest exchanges, bytes moved per (step, source tile, destination tile, value); and
     the steps that move the most bytes, with their busiest sending and receiving tiles (the
     busiest port bounds an exchange phase)."""
-    moved: collections.Counter = collections.Counter()
     values: dict[tuple, str] = {}
-    per_step, steps = [], []
+    per_step, steps, best, count = [], [], [], 0
     for s, step in enumerate(program["steps"]):
-        sent, received = collections.Counter(), collections.Counter()
-        for src, sbuf, _, _, dst, _, _, _, rows, row_bytes in np.asarray(step["transfers"]).tolist():
-            if (src, sbuf) not in values:
-                name = buffer_name(sbuf)
+        t = np.asarray(step["transfers"], dtype=np.int64).reshape(-1, 10)
+        nbytes = t[:, 8] * t[:, 9]
+        per_step.append(int(nbytes.sum()))
+        if not len(t):
+            continue
+        sent, received = np.bincount(t[:, 0], weights=nbytes), np.bincount(t[:, 4], weights=nbytes)
+        steps.append({"step": s, "name": step["name"], "bytes": per_step[-1], "transfers": len(t),
+                      "sender": _busiest(sent), "receiver": _busiest(received)})
+        remote = t[t[:, 0] != t[:, 4]]          # the largest exchanges: between tiles, not on-tile copies
+        if not len(remote):
+            continue
+        sources, which = np.unique(remote[:, [0, 1]], axis=0, return_inverse=True)
+        names = []
+        for src, code in sources.tolist():
+            if (src, code) not in values:
+                name = buffer_name(code)
                 v = program["buffers"][str(src)][name].get("value", name)
-                values[src, sbuf] = program["names"].get(v, v)
-            if src != dst:          # the largest exchanges: transfers between tiles, not on-tile copies
-                moved[s, src, dst, values[src, sbuf]] += rows * row_bytes
-            sent[src] += rows * row_bytes
-            received[dst] += rows * row_bytes
-        per_step.append(sum(sent.values()))
-        if sent:
-            steps.append({"step": s, "name": step["name"], "bytes": per_step[-1], "transfers": len(step["transfers"]),
-                          "sender": _busiest(sent), "receiver": _busiest(received)})
-    top = heapq.nsmallest(limit, moved.items(), key=lambda kv: (-kv[1], kv[0]))
-    return {"total_bytes": sum(per_step), "bytes_per_step": per_step, "count": len(moved),
+                values[src, code] = program["names"].get(v, v)
+            names.append(values[src, code])
+        value_ids = np.unique(np.array(names, dtype=object), return_inverse=True)[1]
+        keys, total = np.unique(np.stack([remote[:, 0], remote[:, 4], value_ids[which.ravel()]], axis=1), axis=0,
+                                return_inverse=True)
+        moved = np.bincount(total.ravel(), weights=remote[:, 8] * remote[:, 9]).astype(np.int64)
+        count += len(keys)
+        vnames = sorted(set(names))
+        found = [(-int(n), (s, src, dst, vnames[v])) for (src, dst, v), n in zip(keys.tolist(), moved.tolist())]
+        best.extend(heapq.nsmallest(limit, found))
+    top = heapq.nsmallest(limit, best)
+    return {"total_bytes": sum(per_step), "bytes_per_step": per_step, "count": count,
             "steps": heapq.nsmallest(TOP_EXCHANGE_STEPS, steps, key=lambda e: (-e["bytes"], e["step"])),
             "top": [{"step": s, "name": program["steps"][s]["name"], "from": src, "to": dst, "value": v,
-                     "bytes": n} for (s, src, dst, v), n in top]}
+                     "bytes": -n} for n, (s, src, dst, v) in top]}
 
 
 def report_data(name: str, device: str, profile: dict, cost: dict, program: dict, storage: dict,

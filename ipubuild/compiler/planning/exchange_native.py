@@ -1,9 +1,7 @@
 """The exchange scheduler over arrays: ``exchange.schedule``'s model (ports, durations, the two
 orders and their horizons) worked out with numpy, its two sequential loops (replaying an order,
 earliest start first) in C (``SOURCE`` below: in this module, so that the code fingerprint of the
-phases that schedule covers it), compiled once per source and compiler by the
-system C compiler (``ipubuild.kernels.compiler``: ``$IPUBUILD_CC``, ``$CC`` or ``cc``) into a
-folder of the user's temporary directory, and loaded with ctypes.
+phases that schedule covers it), compiled and loaded by ``native``.
 
 The C loops are integer-only, so the schedules are the compiler's and machine's no more than the
 Python loops' are: ``tests/test_exchange_native.py`` checks that they equal
@@ -13,65 +11,21 @@ real phases. Without a working compiler the Python loops run.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
-from pathlib import Path
 
 import numpy as np
 
-LOCAL, RECV, SEND = 0, 1, 2     # port kinds, in the order of the Python tuples' names
+from . import native
 
-_lib = None
-_tried = False
+LOCAL, RECV, SEND = 0, 1, 2     # port kinds, in the order of the Python tuples' names
+P = ctypes.c_void_p
 
 
 def library():
     """The compiled scheduler (a ctypes library), or None (no compiler, or disabled)."""
-    global _lib, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    if os.environ.get("IPUBUILD_NATIVE_EXCHANGE", "1") == "0":
-        return None
-    try:
-        _lib = _load()
-    except (OSError, subprocess.SubprocessError, ValueError):
-        _lib = None
-    return _lib
-
-
-def _load():
-    import shlex
-
-    from ..kernels import compiler
-    cc, cflags = compiler()
-    source = SOURCE.encode()
-    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, cc.encode(), cflags.encode(), version])).hexdigest()[:24]
-    folder = Path(tempfile.gettempdir()) / f"ipubuild-native-{os.getuid()}"
-    path = folder / f"exchange_sched-{key}.so"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if folder.stat().st_uid != os.getuid():       # someone else's folder: not a library to load
-        raise ValueError(f"{folder} belongs to another user")
-    if not path.exists():
-        tmp = folder / f".{path.name}.{os.getpid()}"
-        src = folder / f".exchange_sched-{key}.{os.getpid()}.c"
-        src.write_bytes(source)
-        try:
-            subprocess.run([*shlex.split(cc), *shlex.split(cflags), "-fPIC", "-shared", "-o", str(tmp), str(src)],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(tmp, path)
-        finally:
-            src.unlink(missing_ok=True)
-    lib = ctypes.CDLL(str(path))
-    p = ctypes.c_void_p
-    lib.xs_replay.restype = ctypes.c_int64
-    lib.xs_replay.argtypes = [ctypes.c_int32, p, p, p, p, ctypes.c_int32, p]
-    lib.xs_earliest_first.restype = ctypes.c_int32
-    lib.xs_earliest_first.argtypes = [ctypes.c_int32, p, p, p, p, p, ctypes.c_int32, p]
-    return lib
+    return native.library("exchange_sched", SOURCE, {
+        "xs_replay": (ctypes.c_int64, [ctypes.c_int32, P, P, P, P, ctypes.c_int32, P]),
+        "xs_earliest_first": (ctypes.c_int32, [ctypes.c_int32, P, P, P, P, P, ctypes.c_int32, P])},
+        switch="IPUBUILD_NATIVE_EXCHANGE")
 
 
 def model(transfers: list[list], machine: dict, paired: bool):

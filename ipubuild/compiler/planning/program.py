@@ -36,22 +36,19 @@ def row_keys(rows: np.ndarray) -> np.ndarray:
 
 class Blocks:
     """Where the blocks of one value are stored — ``(tile, buffer, (r0, r1, c0, c1))`` — with
-    fast lookup of the blocks a read overlaps (vectorised once there are many, and remembered
-    until the next block is added)."""
+    fast lookup of the blocks reads overlap (``pairs``)."""
 
     def __init__(self):
         self.items: list = []
         self._codes: list = []          # buffer_code of the first len(_codes) items' buffers
         self._exact: dict = {}
         self._arr = self._tiles = self._grid = self._keys = None
-        self._memo: dict = {}
 
     def add(self, tile, buf, blk) -> None:
         blk = tuple(blk)
         self.items.append((tile, buf, blk))
         self._exact.setdefault((tile, blk), buf)
         self._arr = self._tiles = self._grid = self._keys = None
-        self._memo = {}
 
     def extend(self, tile_blocks, buf) -> None:
         """``add(tile, buf, blk)`` for each ``(tile, blk)``."""
@@ -59,7 +56,6 @@ class Blocks:
             self.items.append((tile, buf, blk))
             self._exact.setdefault((tile, blk), buf)
         self._arr = self._tiles = self._grid = self._keys = None
-        self._memo = {}
 
     def exact(self, tile, blk):
         return self._exact.get((tile, tuple(blk)))
@@ -104,30 +100,6 @@ class Blocks:
         cell = (i0[ri] + q // nj[ri]) * len(cols) + j0[ri] + q % nj[ri]
         ci, k = _expand(starts[cell + 1] - starts[cell])
         return ri[ci], members[starts[cell[ci]] + k]
-
-    def overlapping(self, blk) -> list:
-        """``[(tile, buf, stored block, intersection)]`` for stored blocks overlapping ``blk``."""
-        blk = tuple(blk)
-        if blk not in self._memo:
-            self._memo[blk] = self._overlapping(blk)
-        return self._memo[blk]
-
-    def _overlapping(self, blk) -> list:
-        rr0, rr1, rc0, rc1 = blk
-        if len(self.items) < 32:
-            idx = range(len(self.items))
-        else:
-            if self._arr is None:
-                self._arr = np.array([b for _, _, b in self.items], dtype=np.int64).reshape(-1, 4)
-            a = self._arr
-            idx = np.nonzero((a[:, 0] < rr1) & (a[:, 1] > rr0) & (a[:, 2] < rc1) & (a[:, 3] > rc0))[0].tolist()
-        out = []
-        for i in idx:
-            tile, buf, (sr0, sr1, sc0, sc1) = self.items[i]
-            ir0, ir1, ic0, ic1 = max(rr0, sr0), min(rr1, sr1), max(rc0, sc0), min(rc1, sc1)
-            if ir0 < ir1 and ic0 < ic1:
-                out.append((tile, buf, (sr0, sr1, sc0, sc1), (ir0, ir1, ic0, ic1)))
-        return out
 
 
 def _grid_of(blocks: np.ndarray):

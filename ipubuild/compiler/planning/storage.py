@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import bisect
 
+import numpy as np
+
 from ...engine.errors import UserError
+from ...graph.artifacts import buffer_codes
+from . import storage_native
 
 
 def align_up(x: int, a: int) -> int:
@@ -51,6 +55,28 @@ _memo: dict = {}
 
 
 def _allocate(buffers, ranges, alignment, tile, names) -> dict[str, int]:
+    """First fit, in C where it compiles (``storage_native``); the Python loop otherwise, and to
+    say why a buffer does not fit."""
+    if storage_native.library() is not None and buffers:
+        bids = list(buffers)
+        size = np.array([buffers[b]["size"] for b in bids], dtype=np.int64)
+        start = np.array([buffers[b]["start"] for b in bids], dtype=np.int64)
+        end = np.array([buffers[b]["end"] for b in bids], dtype=np.int64)
+        try:
+            order = np.lexsort((buffer_codes(bids), -size, start))
+        except ValueError:                   # names that are not a program's: sort them as names
+            order = np.array(sorted(range(len(bids)), key=lambda i: (start[i], -size[i], bids[i])), dtype=np.int64)
+        aligned = -(-np.maximum(size[order], 1) // alignment) * alignment
+        try:
+            addr = storage_native.first_fit(aligned, start[order], end[order], ranges, alignment)
+        except ValueError:
+            addr = None
+        if addr is not None:
+            return dict(sorted(zip([bids[i] for i in order.tolist()], addr.tolist())))
+    return _allocate_python(buffers, ranges, alignment, tile, names)
+
+
+def _allocate_python(buffers, ranges, alignment, tile, names) -> dict[str, int]:
     placed: list[tuple[int, int, int, int]] = []   # addr, end address, start step, end step; by addr
     out = {}
     for bid in sorted(buffers, key=lambda b: (buffers[b]["start"], -buffers[b]["size"], b)):

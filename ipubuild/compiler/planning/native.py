@@ -1,0 +1,61 @@
+"""The planner's loops in C: sources in their modules (so that the code fingerprint of the phases
+that run them covers them), compiled once per source and compiler by the system C compiler
+(``ipubuild.kernels.compiler``: ``$IPUBUILD_CC``, ``$CC`` or ``cc``) into a private folder of the
+user's temporary directory, and loaded with ctypes.
+
+The loops are integer-only, so their results are the compiler's no more than Python's are; each
+has a Python form it is tested equal to, which runs where no compiler works or where
+``$IPUBUILD_NATIVE=0`` (or a loop's own switch) says so.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+_loaded: dict = {}
+
+
+def library(name: str, source: str, functions: dict, switch: str | None = None):
+    """The library compiled from ``source`` with ``functions`` (``{name: (restype, argtypes)}``)
+    typed, or None (no working compiler, or switched off)."""
+    if os.environ.get("IPUBUILD_NATIVE", "1") == "0" or (switch and os.environ.get(switch, "1") == "0"):
+        return None
+    if name not in _loaded:
+        try:
+            lib = _compile(name, source)
+            for fn, (restype, argtypes) in functions.items():
+                getattr(lib, fn).restype = restype
+                getattr(lib, fn).argtypes = argtypes
+            _loaded[name] = lib
+        except (OSError, subprocess.SubprocessError, ValueError, AttributeError):
+            _loaded[name] = None
+    return _loaded[name]
+
+
+def _compile(name: str, source: str):
+    from ..kernels import compiler
+    cc, cflags = compiler()
+    raw = source.encode()
+    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([raw, cc.encode(), cflags.encode(), version])).hexdigest()[:24]
+    folder = Path(tempfile.gettempdir()) / f"ipubuild-native-{os.getuid()}"
+    path = folder / f"{name}-{key}.so"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():       # someone else's folder: not a library to load
+        raise ValueError(f"{folder} belongs to another user")
+    if not path.exists():
+        tmp = folder / f".{path.name}.{os.getpid()}"
+        src = folder / f".{name}-{key}.{os.getpid()}.c"
+        src.write_bytes(raw)
+        try:
+            subprocess.run([*shlex.split(cc), *shlex.split(cflags), "-fPIC", "-shared", "-o", str(tmp), str(src)],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(tmp, path)
+        finally:
+            src.unlink(missing_ok=True)
+    return ctypes.CDLL(str(path))

@@ -1,0 +1,60 @@
+"""Storage placement's first fit in C (``planning.storage_native``) places every buffer where the
+Python loop (``storage._allocate_python``) does: on random tiles, and on every tile of a real
+program; and a buffer that fits nowhere is still reported by the Python loop's message."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ipubuild.compiler.planning import storage, storage_native
+from ipubuild.engine.errors import UserError
+
+pytestmark = pytest.mark.skipif(storage_native.library() is None, reason="no C compiler")
+
+RANGES = [[4096, 20000], [24576, 60000]]
+
+
+def _buffers(rnd: random.Random, n: int) -> dict:
+    out = {}
+    for i in range(n):
+        start = rnd.randrange(0, 12)
+        out[f"{rnd.choice('cgio')}{i}"] = {"size": rnd.choice([1, 7, 64, 100, 512, 2048, 4000]),
+                                           "start": start, "end": start + rnd.randrange(0, 5)}
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_first_fit_in_c_places_as_the_python_loop(seed):
+    rnd = random.Random(seed)
+    bufs = _buffers(rnd, rnd.randrange(1, 120))
+    align = rnd.choice([4, 8, 64])
+    try:
+        want = storage._allocate_python(bufs, RANGES, align, 0, None)
+    except UserError as exc:
+        with pytest.raises(UserError) as got:
+            storage._allocate(bufs, RANGES, align, 0, None)
+        assert str(got.value) == str(exc)
+        return
+    assert storage._allocate(bufs, RANGES, align, 0, None) == want
+
+
+def test_a_real_programs_tiles_are_placed_as_the_python_loop():
+    from ipubuild import frontend, plugins, targets
+    from ipubuild.compiler.machine import load_machine
+    from ipubuild.compiler.planning.program import build_program, default_layout
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    t = targets.load_target(str(root / "targets" / "vit_fp8.toml"))
+    graph = frontend.build_model(plugins.get_plugin_manager(), t).graph
+    program = build_program(graph, default_layout(graph, 64), 64)
+    m = load_machine("ipu21")
+    ranges = storage.tile_ranges(m, 30000)["available_ranges"]
+    checked = 0
+    for tile, bufs in program["buffers"].items():
+        if bufs:
+            align = m["memory"]["alignment"]
+            assert storage._allocate(bufs, ranges, align, int(tile), None) == \
+                storage._allocate_python(bufs, ranges, align, int(tile), None), tile
+            checked += 1
+    assert checked >= 16
