@@ -166,7 +166,7 @@ class Simulator:
             kn, steps = decoded[0] if decoded else codegen.decode_program(_read(mem, names["@program"]))
             programs[tile] = {s: [(names[kn[k]], kn[k], a) for k, a in verts] for s, verts in steps}
             try:
-                tables.append(decoded[1] if decoded else codegen.decode_exchange(_read(mem, names["@exchange"])))
+                tables.append(decoded[1] if decoded else codegen.decode_exchange_arrays(_read(mem, names["@exchange"])))
             except ValueError as exc:
                 raise UserError("package", f"tile {tile}: {exc}: rebuild the package with this ipubuild") from None
         return memory, row_of, programs, tables, data
@@ -224,18 +224,12 @@ class _Plan:
 
     def __init__(self, memory, programs, tables, machine, n_steps, paired, lanes=1, data=None):
         reg = registry()
-        by_step = [[] for _ in range(n_steps)]              # tile order, then table order
-        for table in tables:
-            for e in table:
-                if not 0 <= e[0] < n_steps:
-                    raise UserError("package", f"an exchange entry names step {e[0]} of a run of {n_steps}: "
-                                    "the package is corrupt")
-                by_step[e[0]].append(e[1:])
+        by_step = _by_step(tables, n_steps)                  # tile order, then table order
         self.entries = [unicast(es) for es in by_step]
         bounds = data_bounds(data, max(data, default=-1) + 1) if data is not None else None
         self.exchange_failures = {s: f for s, e in enumerate(self.entries)
                                   if bounds is not None and (f := exchange_outside(e, bounds))}
-        self.horizons = [exchange.horizon_of(es, machine, paired[s]) if es else 0 for s, es in enumerate(by_step)]
+        self.horizons = [exchange.horizon_of(es, machine, paired[s]) if len(es) else 0 for s, es in enumerate(by_step)]
         base, stride = memory.ctypes.data, memory.strides[0]
         args = [a for prog in programs.values() for verts in prog.values() for _, _, a in verts]
         lengths = np.fromiter(map(len, args), dtype=np.int64, count=len(args))
@@ -343,13 +337,35 @@ def _input_bytes(binding: dict, inputs: dict) -> np.ndarray:
     return raw.view(np.uint8).reshape(-1)
 
 
+def _by_step(tables: list, n_steps: int) -> list:
+    """The tiles' exchange tables (``(steps, entries)`` each, in tile order) as each step's
+    entries (``exchange.Groups``), tile order then table order."""
+    steps = np.concatenate([s for s, _ in tables] + [np.zeros(0, np.int64)])
+    bad = (steps < 0) | (steps >= n_steps)
+    if bad.any():
+        raise UserError("package", f"an exchange entry names step {int(steps[np.argmax(bad)])} of a run of {n_steps}: "
+                        "the package is corrupt")
+    heads = np.concatenate([g.heads for _, g in tables] + [np.zeros((0, 8), np.int64)])
+    extra = np.concatenate([g.extra for _, g in tables] + [np.zeros((0, 3), np.int64)])
+    counts = np.concatenate([np.diff(g.starts) for _, g in tables] + [np.zeros(0, np.int64)])
+    every = exchange.Groups(heads, extra, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
+    order = np.argsort(steps, kind="stable")
+    bounds = np.searchsorted(steps[order], np.arange(n_steps + 1))
+    return [every.take(order[a:b]) for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+
+
 def unicast(entries) -> np.ndarray:
-    """Exchange entries, a broadcast ``[src_tile, src_addr, src_stride, dst_tile, dst_addr,
-    dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]`` as one row per
-    destination (the same source rows copied to each), as an ``[n, 8]`` array."""
-    return np.array([[*e[:3], d, a, st, e[6], e[7]] for e in entries
-                     for d, a, st in [e[3:6], *(e[i:i + 3] for i in range(8, len(e), 3))]],
-                    dtype=np.int64).reshape(-1, 8)
+    """Exchange entries (placed ``exchange.Groups``, or lists as ``exchange.placed_entries``
+    takes them), a broadcast sending to several tiles, as one row per destination (the same
+    source rows copied to each): an ``[n, 8]`` array of ``src_tile, src_addr, src_stride,
+    dst_tile, dst_addr, dst_stride, rows, row_bytes``."""
+    g = entries if isinstance(entries, exchange.Groups) else exchange.placed_entries(entries)
+    h, counts = g.heads, g.destinations()
+    owner = np.repeat(np.arange(len(h)), counts)
+    j = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)    # 0: the first destination
+    further = g.extra[np.where(j > 0, g.starts[owner] + j - 1, 0)] if len(g.extra) else np.zeros((len(owner), 3), np.int64)
+    dest = np.where((j == 0)[:, None], h[owner, 3:6], further)
+    return np.concatenate([h[owner, :3], dest, h[owner, 6:8]], axis=1).astype(np.int64).reshape(-1, 8)
 
 
 def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:

@@ -451,7 +451,7 @@ class Package:
             kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
             program = self._check_program(what, arrays["program"], kernels, phases)
             table = self._check_exchange(m, what, arrays["exchange"], used, phases)
-            self._senders[digest] = {e[1] for e in table}
+            self._senders[digest] = set(np.unique(table[1].heads[:, 0]).tolist())
             self.decoded[digest] = (program, table)
         return header, arrays
 
@@ -509,25 +509,31 @@ class Package:
                 self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
         return names, steps
 
-    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int) -> list:
-        """The exchange table, decoded (``codegen.decode_exchange``), once checked."""
+    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int):
+        """The exchange table, decoded (``codegen.decode_exchange_arrays``: each entry's step,
+        and the entries), once checked. Decoding reads every word of the table as it was
+        written, so a table that decodes is exactly its bytes."""
         try:
-            table = codegen.decode_exchange(raw)
-            exact = codegen.encode_exchange(table) == raw
+            steps, table = codegen.decode_exchange_arrays(raw)
         except (ValueError, struct.error):
-            exact = False
-        if not exact:
             self._fail(f"the exchange table of {what} does not decode")
         mc = m["machine"]
         lo, hi = mc["sram_base"], mc["loader_limit"]
-        for i, e in enumerate(table):   # [step, src tile, addr, stride, dst tile, addr, stride, rows,
-            rows, rb = e[7], e[8]       #  row bytes, (dst tile, addr, stride) of each further receiver]
-            ends = [(e[1], e[2], e[3]), (e[4], e[5], e[6])] + [tuple(e[j:j + 3]) for j in range(9, len(e), 3)]
-            if e[0] >= phases or any(t not in used or a < lo or a + max(rows - 1, 0) * st + rb > hi
-                                     for t, a, st in ends):
-                self._fail(f"entry {i} {e[:9]} of the exchange table of {what} is past the run phases, a "
-                           "loaded tile or tile memory")
-        return table
+        h, x = table.heads, table.extra
+        owner = np.repeat(np.arange(len(h)), np.diff(table.starts))
+        loaded = np.array(sorted(used), dtype=np.int64)
+
+        def outside(tile, addr, stride, rows, rb):
+            return ~np.isin(tile, loaded) | (addr < lo) | (addr + np.maximum(rows - 1, 0) * stride + rb > hi)
+        bad = (steps >= phases) | outside(h[:, 0], h[:, 1], h[:, 2], h[:, 6], h[:, 7]) \
+            | outside(h[:, 3], h[:, 4], h[:, 5], h[:, 6], h[:, 7])
+        bad[owner[outside(x[:, 0], x[:, 1], x[:, 2], h[owner, 6], h[owner, 7])]] = True
+        if bad.any():
+            i = int(np.argmax(bad))
+            e = [int(steps[i]), *h[i, :6].tolist(), *h[i, 6:].tolist()]
+            self._fail(f"entry {i} {e} of the exchange table of {what} is past the run phases, a "
+                       "loaded tile or tile memory")
+        return steps, table
 
     def _check_bindings(self, m: dict, side: str, used: set) -> None:
         mc = m["machine"]

@@ -74,24 +74,40 @@ def encode_exchange(entries: list) -> bytes:
 def decode_exchange(data: bytes) -> list[list[int]]:
     """The entries of an exchange table, as ``encode_exchange`` takes them; ValueError if the
     table is not one, is of another version or is truncated."""
+    steps, entries = decode_exchange_arrays(data)
+    return [[s, *e] for s, e in zip(steps.tolist(), entries.entry_lists())]
+
+
+def decode_exchange_arrays(data: bytes):
+    """``(steps, entries)``: an exchange table's entries as placed ``exchange.Groups`` and each
+    one's step, read without a Python list per entry; ValueError as ``decode_exchange``."""
+    from .exchange import Groups
     if data[:4] != EXCHANGE_MAGIC or len(data) % 4:
         raise ValueError("not an exchange table")
-    words = np.frombuffer(data, dtype="<u4", offset=4).tolist()
+    words = np.frombuffer(data, dtype="<u4", offset=4).astype(np.int64)
     if len(words) < 2 or words[0] != EXCHANGE_VERSION:
-        raise ValueError(f"exchange table of version {words[0] if words else '?'}; this reader knows "
+        raise ValueError(f"exchange table of version {int(words[0]) if len(words) else '?'}; this reader knows "
                          f"{EXCHANGE_VERSION}")
-    out, pos = [], 2
-    for _ in range(words[1]):
-        head = words[pos:pos + 7]
-        if len(head) < 7 or head[6] < 1 or pos + 7 + 3 * head[6] > len(words):
+    count, total = int(words[1]), len(words)
+    if count > total:
+        raise ValueError("truncated exchange table")
+    at = np.empty(count, np.int64)
+    listed, pos = words.tolist(), 2
+    for k in range(count):                 # each entry begins after the last one's destinations
+        if pos + 7 > total or listed[pos + 6] < 1 or pos + 7 + 3 * listed[pos + 6] > total:
             raise ValueError("truncated exchange table")
-        step, st, sa, ss, rows, rb, n = head
-        dests = words[pos + 7:pos + 7 + 3 * n]
-        out.append([step, st, sa, ss, *dests[:3], rows, rb, *dests[3:]])
-        pos += 7 + 3 * n
-    if pos != len(words):
+        at[k] = pos
+        pos += 7 + 3 * listed[pos + 6]
+    if pos != total:
         raise ValueError("exchange table has trailing bytes")
-    return out
+    more = words[at + 6] - 1
+    heads = np.stack([words[at + 1], words[at + 2], words[at + 3], words[at + 7], words[at + 8], words[at + 9],
+                      words[at + 4], words[at + 5]], axis=1).reshape(-1, 8)
+    owner = np.repeat(np.arange(count), more)
+    first = np.cumsum(more) - more
+    where = at[owner] + 10 + 3 * (np.arange(len(owner)) - first[owner])
+    extra = np.stack([words[where], words[where + 1], words[where + 2]], axis=1).reshape(-1, 3)
+    return words[at], Groups(heads, extra, np.concatenate([[0], np.cumsum(more)]).astype(np.int64))
 
 
 def program_bytes(kernels: list[str], steps: list) -> int:

@@ -12,7 +12,7 @@ from collections import defaultdict
 import numpy as np
 
 from ...engine.errors import UserError
-from ...graph.artifacts import buffer_code, to_plan_blob
+from ...graph.artifacts import buffer_codes, to_plan_blob
 from ...graph.ir import Graph
 from ...graph.operators import key, registry
 
@@ -77,7 +77,8 @@ class Blocks:
 
     def codes(self) -> np.ndarray:
         """The ``buffer_code`` of each stored block's buffer (a program's blocks: buffers by name)."""
-        self._codes.extend(buffer_code(b) for _, b, _ in self.items[len(self._codes):])
+        if len(self._codes) < len(self.items):
+            self._codes.extend(buffer_codes([b for _, b, _ in self.items[len(self._codes):]]).tolist())
         return np.array(self._codes, dtype=np.int64)
 
     def pairs(self, reads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -410,9 +411,10 @@ def _gather(gathers: list[tuple], stored: dict, buffers: dict, step: int, vinfo)
             raise AssertionError(f"block {gathers[idx[k]][1]} of {vinfo(vk)[3]} is not covered by its producer's blocks")
         isz = vinfo(vk)[2]
         order = np.asarray(idx, dtype=np.int64)[ri]
-        dst = np.array([(gathers[i][2], buffer_code(gathers[i][3])) for i in idx], dtype=np.int64).reshape(-1, 2)[ri]
+        dst_tile = np.array([gathers[i][2] for i in idx], dtype=np.int64)[ri]
+        dst_buf = buffer_codes([gathers[i][3] for i in idx])[ri]
         rows = np.stack([tiles[si], codes[si], ((ir0 - b[:, 0]) * (b[:, 3] - b[:, 2]) + (ic0 - b[:, 2])) * isz,
-                         (b[:, 3] - b[:, 2]) * isz, dst[:, 0], dst[:, 1],
+                         (b[:, 3] - b[:, 2]) * isz, dst_tile, dst_buf,
                          ((ir0 - r[:, 0]) * (r[:, 3] - r[:, 2]) + (ic0 - r[:, 2])) * isz, (r[:, 3] - r[:, 2]) * isz,
                          ir1 - ir0, (ic1 - ic0) * isz], axis=1)
         parts.append((order, si, rows))
