@@ -360,10 +360,11 @@ SCHEDULE_ARRAYS = (("*", "heads"), ("*", "extra"), ("*", "starts"))
 """Where a program's exchange schedule (and its tables) hold arrays: ``to_plan_blob``'s paths."""
 
 
-def resolve(groups: Groups, addresses: dict[str, dict[str, int]]) -> Groups:
+def resolve(groups: Groups, addresses) -> Groups:
     """Scheduled groups with buffer-relative offsets as placed entries (``Groups``'s second form):
-    every buffer's address from ``addresses`` (``{tile: {buffer name: address}}``)."""
-    where = _Addresses(addresses)
+    every buffer's address from ``addresses`` (``Addresses``, or the ``{tile: {buffer name:
+    address}}`` it is made from)."""
+    where = addresses if isinstance(addresses, Addresses) else Addresses(addresses)
     h, x = groups.heads, groups.extra
     heads = np.stack([h[:, 0], where.of(h[:, 0], h[:, 1]) + h[:, 2], h[:, 3],
                       h[:, 4], where.of(h[:, 4], h[:, 5]) + h[:, 6], h[:, 7], h[:, 8], h[:, 9]], axis=1)
@@ -371,8 +372,9 @@ def resolve(groups: Groups, addresses: dict[str, dict[str, int]]) -> Groups:
     return Groups(heads.reshape(-1, 8), extra.reshape(-1, 3), groups.starts)
 
 
-class _Addresses:
-    """Buffer addresses by (tile, buffer code), looked up over arrays."""
+class Addresses:
+    """Buffer addresses by (tile, buffer code), looked up over arrays (made once for a program's
+    storage: it sorts every buffer of every tile)."""
 
     def __init__(self, addresses: dict[str, dict[str, int]]):
         tiles, names, addrs = [], [], []

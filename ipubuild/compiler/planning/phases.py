@@ -234,7 +234,7 @@ def _ranges(rs) -> str:
 @phase("lower_exchanges", inputs=("exchange_schedule", "storage"), outputs=("exchange_tables",))
 def lower_exchanges(ctx):
     sched, placed = ctx.json("exchange_schedule"), ctx.json("storage")
-    addresses = {t: v["addresses"] for t, v in placed.items()}
+    addresses = exchange.Addresses({t: v["addresses"] for t, v in placed.items()})
     return {"exchange_tables": to_plan_blob([{**exchange.resolve(exchange.scheduled(s), addresses).as_fields(),
                                               "use_paired": s["use_paired"]} for s in sched], exchange.SCHEDULE_ARRAYS)}
 
