@@ -182,10 +182,18 @@ class Pool:
                                                  jobs, self._map_here)
         return self._map_here(jobs)
 
-    def _map_here(self, jobs: list[tuple]) -> list[dict]:
-        if self.workers > 1 and self.executor is None:
+    def start(self) -> None:
+        """Fork the workers now: before screening, whose estimates grow this process by
+        gigabytes at scale that the workers would inherit and never use (forked workers all start
+        at the first job)."""
+        if self.workers > 1 and self.executor is None and executors.scheduler() is None:
             self.executor = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("fork"))
+            self.executor.submit(int).result()
+
+    def _map_here(self, jobs: list[tuple]) -> list[dict]:
+        if self.workers > 1 and self.executor is None:
+            self.start()
         if self.executor is None:
             return [_evaluate_in_worker(*j) for j in jobs]
         futures = [self.executor.submit(_evaluate_in_worker, *j, True) for j in jobs]
@@ -346,6 +354,8 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
         cycles = result["cycles"]
         log.info("validated search incumbent", cycles=cycles, resuming=resuming)
+        if not resuming or state["round"] < cfg["rounds"]:      # it will screen
+            pool.start()
         if not resuming:
             # the first save comes after the tile-mapping screen, so a resumed search never
             # skips a step an uninterrupted one takes
