@@ -62,11 +62,16 @@ class Estimator:
         self._terms, self._writes, self._work, self._footprints = {}, {}, {}, {}
         self.kernel_index: dict[str, int] = {}           # kernel name -> row of Loads.kernels
 
-    def forget(self) -> None:
-        """Drop the cached terms, writes, work and footprints (the search calls it when a round's
-        screening ends, before its candidates are evaluated: on ViT-B/16 they are gigabytes the
-        evaluation never reads). Estimates do not depend on what is cached."""
+    def forget(self, keep: dict | None = None) -> None:
+        """Drop the cached terms, writes, work and footprints, and every lowering but ``keep``'s
+        (a layout), and give the memory back to the system. The search calls it once its
+        initial layout is chosen and when a round's screening ends: on ViT-B/16 the placement's
+        2,300 lowerings and the terms are 3.3 GB that the evaluation never reads, and forked
+        workers would inherit. Estimates do not depend on what is cached."""
         self._terms, self._writes, self._work, self._footprints = {}, {}, {}, {}
+        if keep is not None:
+            self.resolver.keep(keep)
+        give_back_memory()
 
     def resolve(self, layout: dict) -> dict:
         return self.resolver.resolve(layout)
@@ -396,3 +401,13 @@ class Baseline:
             loads.add(old, -1)
             loads.add(new)
         return total, loads.fit()
+
+
+def give_back_memory() -> None:
+    """Return the heap's free pages to the system (glibc's ``malloc_trim``; elsewhere nothing):
+    freed Python objects otherwise keep their pages, which a forked worker then inherits."""
+    import ctypes
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

@@ -354,6 +354,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
         cycles = result["cycles"]
         log.info("validated search incumbent", cycles=cycles, resuming=resuming)
+        sc.estimator.forget(keep=incumbent)
         if not resuming or state["round"] < cfg["rounds"]:      # it will screen
             pool.start()
         if not resuming:
@@ -376,7 +377,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
                      **screened.invalid, **_by_heuristic(per, ROUND_FIELDS))
             screen_s = time.perf_counter() - t0
-            sc.estimator.forget()
+            sc.estimator.forget(keep=incumbent)
             shortlist = screened.shortlist[:cfg["evaluations"] - state["attempts"]]
             if not shortlist:
                 _count_round(state, rnd, per)

@@ -188,6 +188,12 @@ class PlanResolver:
                 out[op.id] = ((i,), c["offset"])
         return out
 
+    def keep(self, layout: dict) -> None:
+        """Forget every concrete plan and lowering but those ``layout`` uses."""
+        wanted = {(op_id, choice) for op_id, (choice, _) in self.resolve(layout).items()}
+        self._plan = {k: v for k, v in self._plan.items() if k in wanted}
+        self._lowered = {k: v for k, v in self._lowered.items() if k in wanted}
+
     def plan(self, op, choice: tuple) -> dict:
         """The concrete plan of a choice; ValueError if it follows blocks it cannot follow."""
         k = (op.id, choice)
