@@ -428,6 +428,31 @@ def test_the_search_never_ships_a_layout_costlier_than_its_incumbent_when_worse_
     assert shipped == state["cycles"] == incumbents[-1] == min(incumbents) <= evaluated[0]
 
 
+def test_a_round_whose_candidates_all_fail_to_build_does_not_end_the_search(tmp_path, monkeypatch):
+    """Candidates that do not build (a tensor that fits nowhere, as ViT-B/16's first shortlists)
+    say nothing of the incumbent: the search screens again and evaluates the next shortlist, up
+    to its rounds, and ships the incumbent. (Stopping there, as after a round whose candidates
+    built and were costlier, evaluates one shortlist and fails here.)"""
+    from ipubuild import search
+    real_evaluate, calls = search.evaluate, []
+
+    def nothing_builds(engine, base, layout, config):
+        calls.append(canonical.digest_of(layout))
+        if len(calls) == 1:
+            return real_evaluate(engine, base, layout, config)      # the initial layout builds
+        return {"invalid": "tile 3: tensor t1 needs 64 bytes but the largest free block of tile memory is 8 bytes"}
+    monkeypatch.setattr(search, "evaluate", nothing_builds)
+    root = small_tree(tmp_path / "tree", workers=1)
+    monkeypatch.chdir(root)
+    out = build_in_process(root, "targets/small.toml")
+    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    assert state["round"] == 3 and not state["history"]
+    # more than one shortlist (3 candidates) was evaluated after the mapping screen, none twice
+    assert len(calls) - 1 > 3 + 1 and len(set(calls)) == len(calls), len(calls)
+    shipped = Workspace.at(root).engine.decoded(out["small/cost"])["final_cycles"]
+    assert shipped == state["cycles"]
+
+
 @pytest.fixture(scope="module")
 def built_small(tmp_path_factory):
     """The small target built once in-process (one round): its workspace, target and graph."""

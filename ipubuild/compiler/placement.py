@@ -109,6 +109,8 @@ class _Greedy:
                 return None
             choice = layout["ops"][str(op.id)]
             choice["plan"] = best[1]
+            # the plans it did not take are not lowered again: at 1472 tiles they are gigabytes
+            est.resolver.keep_choice(op, est.resolve(layout)[op.id][0])
             if "follow" not in plans[best[1]]:
                 choice["offset"] = self.offset(op, layout, cursor)
                 used = len({w.tile for st in est.lowering(op, layout).stages for w in st})

@@ -407,7 +407,13 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                      evaluations_per_s=f"{len(jobs) / max(eval_s, 1e-9):.2f}",
                      cache_hit_rate=f"{hits / max(1, hits + misses):.2f}")
             state["round"] = rnd
-            if best is None:
+            built = sum("invalid" not in r for r in results)
+            if best is None and not built:
+                # none of them builds: that says nothing of the incumbent, so the next round
+                # screens again (what was evaluated is visited) and takes the next shortlist
+                log.info("retained incumbent layout: no candidate built", round=rnd)
+                _count_round(state, rnd, per)
+            elif best is None:
                 log.info("retained incumbent layout: no candidate improved", round=rnd)
                 _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]

@@ -194,6 +194,13 @@ class PlanResolver:
         self._plan = {k: v for k, v in self._plan.items() if k in wanted}
         self._lowered = {k: v for k, v in self._lowered.items() if k in wanted}
 
+    def keep_choice(self, op, choice: tuple) -> None:
+        """Forget the operation's concrete plans and lowerings but ``choice``'s (a placement that
+        has chosen its plan; another is remade, the same, if asked for)."""
+        for table in (self._plan, self._lowered):
+            for k in [k for k in table if k[0] == op.id and k[1] != choice]:
+                del table[k]
+
     def plan(self, op, choice: tuple) -> dict:
         """The concrete plan of a choice; ValueError if it follows blocks it cannot follow."""
         k = (op.id, choice)
