@@ -8,6 +8,11 @@ rows, row_bytes]`` (buffer-relative); after storage placement buffers become add
 ``[..., rows, row_bytes, dst_tile2, dst_buf2, dst_off2, dst_stride2, ...]``. It occupies the
 source's send port once and every destination's receive port, for the time of one transfer
 (the exchange fabric lets any number of tiles listen to one sender).
+
+The planner works on arrays: a program's transfers are rows of an int32 array whose buffers are
+``artifacts.buffer_code``s, and broadcasts, schedules and placed entries are ``Groups``. The list
+functions (``coalesce``, ``broadcasts``, ``schedule_python``) are the reference the array ones
+are tested against.
 """
 from __future__ import annotations
 
@@ -74,7 +79,7 @@ def broadcasts(transfers: list[list], paired: bool) -> list[list]:
     return out
 
 
-# the same over arrays (rows: program.TRANSFER_FIELDS, buffers as program.buffer_code) ----------
+# the same over arrays (rows: program.TRANSFER_FIELDS, buffers as artifacts.buffer_code) --------
 class Groups(NamedTuple):
     """Broadcasts as arrays: group ``g`` sends ``heads[g]`` (a transfer's fields) and also to the
     destinations ``extra[starts[g]:starts[g + 1]]`` (rows ``dst_tile, dst_buf, dst_off, dst_stride``).
@@ -219,7 +224,8 @@ def broadcast_groups(t: np.ndarray, paired: bool) -> Groups:
 
 
 def grouped_arrays(transfers: np.ndarray) -> tuple[np.ndarray, Groups, Groups]:
-    """``grouped`` over an array of transfers."""
+    """``(coalesce_array(transfers), its ordinary broadcasts, its paired broadcasts)``: what the
+    provisional code size and the phase's schedule both start from."""
     merged = coalesce_array(transfers)
     return merged, broadcast_groups(merged, paired=False), broadcast_groups(merged, paired=True)
 
@@ -318,13 +324,6 @@ def schedule_python(transfers: list[list], machine: dict, paired: bool) -> tuple
     priority = [(-max(load[p] for p in ports), -dur, tie[i]) for i, (ports, dur) in enumerate(info)]
     earliest = _earliest_first(info, priority)
     return min(first, (_replay(info, earliest), earliest))
-
-
-def grouped(transfers: list[list]) -> tuple[list, list, list]:
-    """``(coalesce(transfers), its ordinary broadcasts, its paired broadcasts)``: what the
-    provisional code size and the phase's schedule both start from."""
-    merged = coalesce(transfers)
-    return merged, broadcasts(merged, paired=False), broadcasts(merged, paired=True)
 
 
 def schedule_phase(transfers, machine: dict) -> dict:
