@@ -114,17 +114,18 @@ def to_plan_blob(value, arrays: tuple[tuple, ...]) -> bytes:
     reaches is stored in one array (concatenated along its first axis, with its ``starts``), and
     ``None`` in its place in the skeleton. ``engine.decoded`` reads it back (``from_plan_blob``)."""
     import orjson
-    members, where = {}, []
+    members, where, skeleton = {}, [], value
     for n, path in enumerate(arrays):
         found = []
-        value = _take(value, list(path), found)
+        skeleton = _take(skeleton, list(path), found)
         if found:
             members[f"a{n}"] = np.concatenate(found)
             members[f"a{n}.starts"] = np.cumsum([0] + [len(a) for a in found], dtype=np.int64)
         where.append(list(path))
-    skeleton = orjson.dumps({"value": value, "arrays": where}, option=orjson.OPT_SORT_KEYS)
-    members["skeleton"] = np.frombuffer(skeleton, np.uint8)
+    head = orjson.dumps({"value": skeleton, "arrays": where}, option=orjson.OPT_SORT_KEYS)
+    members["skeleton"] = np.frombuffer(head, np.uint8)
     out = PlanBlob(canonical.PLAN_MAGIC + tensors.pack(members))
+    out.value = value
     return out
 
 

@@ -179,12 +179,11 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
                 v = program["buffers"][str(src)][name].get("value", name)
                 values[src, code] = program["names"].get(v, v)
             names.append(values[src, code])
-        value_ids = np.unique(np.array(names, dtype=object), return_inverse=True)[1]
+        vnames, value_ids = np.unique(np.array(names, dtype=object), return_inverse=True)
         keys, total = np.unique(np.stack([remote[:, 0], remote[:, 4], value_ids[which.ravel()]], axis=1), axis=0,
                                 return_inverse=True)
         moved = np.bincount(total.ravel(), weights=remote[:, 8] * remote[:, 9]).astype(np.int64)
         count += len(keys)
-        vnames = sorted(set(names))
         found = [(-int(n), (s, src, dst, vnames[v])) for (src, dst, v), n in zip(keys.tolist(), moved.tolist())]
         best.extend(heapq.nsmallest(limit, found))
     top = heapq.nsmallest(limit, best)

@@ -118,30 +118,29 @@ class Groups(NamedTuple):
                    np.asarray(d["starts"], dtype=np.int64))
 
     def entry_lists(self) -> list[list]:
-        """Placed entries as ``resolve`` gave them: ``[src_tile, src_addr, src_stride, dst_tile,
-        dst_addr, dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]``."""
-        rows, more, starts = self.heads.tolist(), self.extra.tolist(), self.starts.tolist()
-        for g, e in enumerate(rows):
-            for d in more[starts[g]:starts[g + 1]]:
-                e.extend(d)
-        return rows
+        """Each group as one list, its head then its further destinations: placed entries as
+        ``resolve`` gave them, ``[src_tile, src_addr, src_stride, dst_tile, dst_addr,
+        dst_stride, rows, row_bytes, (dst_tile, dst_addr, dst_stride)...]``."""
+        return _joined(self.heads.tolist(), self.extra.tolist(), self.starts.tolist())
 
-    def lists(self, numbered: bool = False) -> list[list]:
-        """The groups as ``broadcasts`` gives them (buffers by name, or as they are if ``numbered``)."""
+    def lists(self) -> list[list]:
+        """The groups as ``broadcasts`` gives them (buffers by name)."""
         h, extra = self.heads, self.extra
         rows, more = h.astype(object), extra.astype(object)
-        if not numbered:
-            codes = np.concatenate([h[:, 1], h[:, 5], extra[:, 1]])
-            unique, index = np.unique(codes, return_inverse=True)
-            names = np.array(buffer_names(unique), dtype=object)[index]
-            n = len(h)
-            rows[:, 1], rows[:, 5] = names[:n], names[n:2 * n]
-            more[:, 1] = names[2 * n:]
-        rows, more, starts = rows.tolist(), more.tolist(), self.starts.tolist()
-        for g, t in enumerate(rows):
-            for d in more[starts[g]:starts[g + 1]]:
-                t.extend(d)
-        return rows
+        codes = np.concatenate([h[:, 1], h[:, 5], extra[:, 1]])
+        unique, index = np.unique(codes, return_inverse=True)
+        names = np.array(buffer_names(unique), dtype=object)[index]
+        n = len(h)
+        rows[:, 1], rows[:, 5] = names[:n], names[n:2 * n]
+        more[:, 1] = names[2 * n:]
+        return _joined(rows.tolist(), more.tolist(), self.starts.tolist())
+
+
+def _joined(heads: list, extra: list, starts: list) -> list[list]:
+    for g, row in enumerate(heads):
+        for d in extra[starts[g]:starts[g + 1]]:
+            row.extend(d)
+    return heads
 
 
 def transfer_array(transfers) -> np.ndarray:
@@ -459,7 +458,7 @@ def horizon_of(entries, machine: dict, paired: bool) -> int:
                               np.stack([x[:, 0], np.zeros(len(x), np.int64), x[:, 1], x[:, 2]], axis=1).reshape(-1, 4),
                               entries.starts)
         done = exchange_native.schedule_groups(as_transfers, machine, paired)
-        found = (done if done is not None else schedule_python(as_transfers.lists(numbered=True), machine, paired))[0]
+        found = (done if done is not None else schedule_python(as_transfers.entry_lists(), machine, paired))[0]
         if len(_horizons) > 4096:
             _horizons.clear()
         _horizons[key] = found
