@@ -45,6 +45,7 @@ def main(argv=None) -> int:
         if raw[:64].isalnum() and b"\n" in raw[:80]:          # a search state: checksum line first
             raw = raw.split(b"\n", 1)[1]
         layout = json.loads(raw)
+        layout = layout.get("state", layout)                  # a search state: {"sha256", "state"}
         layout = layout.get("incumbent", layout)
     else:
         layout = next(initial_layouts(sc))

@@ -531,3 +531,28 @@ def test_estimator_terms_are_pinned_against_the_exact_cost_model(built_small, mo
         assert est.estimate(layout) == total <= cost["final_cycles"] + sum(
             max(0, w["ports"] - w["exchange"]) for w in want.values())
     assert exchanging > 30, exchanging
+
+
+def test_the_allowance_placement_keeps_room_for_kernels_reserved_past_one_quantum():
+    """A kernel whose compiled code takes several reservation quanta takes them on every tile
+    that runs it; the estimate counts one. The allowance's placement leaves the difference free,
+    so its code estimate plus the kernels' excess stays within its code cap — which, with the
+    same code cap and no excess known, it does not."""
+    from ipubuild.compiler import placement
+    from ipubuild.compiler.planning.program import kernels_per_tile, build_program
+    sc = _vit_context()
+    est = sc.estimator
+    unaware = placement._Greedy(sc, allowance=True).layout(best_effort=True)
+    fullest = max(est.code_load(unaware).values())
+    # a matmul variant that takes enough quanta to put the fullest tile over its cap
+    q = est.kernel_bytes
+    excess = -(-(est.code_cap - fullest + 2048) // q) * q
+    kernels = set().union(*kernels_per_tile(build_program(sc.graph, unaware, 64)).values())
+    big = sorted(k for k in kernels if k.startswith("matmul"))[0]
+    reservations = {k: est.kernel_bytes for k in kernels} | {big: est.kernel_bytes + excess}
+    aware_sc = SearchContext(sc.graph, 64, sc.machine, reservations)
+    aware = aware_sc.estimator
+    assert aware.reservation_excess == excess
+    layout = placement._Greedy(aware_sc, allowance=True).layout(best_effort=True)
+    assert max(aware.code_load(layout).values()) + excess <= aware.code_cap
+    assert fullest + excess > aware.code_cap

@@ -39,7 +39,7 @@ class Estimator:
     """A cheap cost estimate of a layout (see the module's docstring). A layout whose follow
     plans cannot follow their producers is invalid (``estimate`` None)."""
 
-    def __init__(self, graph, tile_count, machine, plans):
+    def __init__(self, graph, tile_count, machine, plans, reservations: dict[str, int] | None = None):
         self.g, self.T, self.m, self.plans = graph, tile_count, machine, plans
         self.resolver = PlanResolver(graph, tile_count, plans)
         self.producer = {v: op for op in graph.ops for v in op.outputs}
@@ -57,6 +57,9 @@ class Estimator:
         code_address = -(-(mem["host_code_base"] + code["host_code_bytes"]) // 64) * 64
         self.code_cap = mem["executable_end"] - code_address
         self.kernel_bytes = code["reservation_quantum"]     # a kernel's reservation, at least
+        # what the kernels' reservations (compile_kernels') take beyond one quantum each: at
+        # most this much more code on a tile than the estimate counts
+        self.reservation_excess = sum(max(0, r - self.kernel_bytes) for r in (reservations or {}).values())
         self._isz = collections.defaultdict(lambda: 4)   # temporaries are f32
         self._isz.update({f"v{v}": val.itemsize for v, val in graph.values.items()})
         self._terms, self._writes, self._work, self._footprints = {}, {}, {}, {}

@@ -30,11 +30,13 @@ GRID_PLANS_TRIED = 4
 PROGRESS_SLACK = 1.5
 PROGRESS_FLOOR = 0.125
 CODE_PROGRESS_FLOOR = 0.5
-#: the share of the code cap the allowance's placements keep free, one placement per margin
-#: (the next if the exact evaluation finds the last one's code over): the estimate of a
-#: tile's code bounds its exchange table before coalescing, but ViT-B/16's fullest tile once
-#: came out 254 bytes over an estimate within the cap
-CODE_MARGINS = (0.03, 0.1)
+#: the share of the code cap the allowance's placements keep free besides the kernels'
+#: reservations past their first quantum (``Estimator.reservation_excess``), one placement per
+#: margin (the next if the exact evaluation finds the last one's code over). The estimate of a
+#: tile's program and exchange table is ~1–2 KB (≤ 1.5 % of the cap) under what the exact
+#: evaluation finds on ViT-B/16's fullest tiles; a larger margin places worse (1.64 M cycles
+#: at 0.1 against 1.34 M at 0.02)
+CODE_MARGINS = (0.02, 0.1)
 
 
 def initial_layouts(sc):
@@ -128,6 +130,7 @@ class _Greedy:
         const = loads.const[term.const_tiles] + term.const_bytes
         cap, code_cap = est.cap, est.code_cap
         if self.allowed is not None:
+            code_cap -= est.reservation_excess
             share = PROGRESS_SLACK * (self.placed + self.held[op.id]) / self.weights
             cap = min(cap, int(cap * max(share, PROGRESS_FLOOR)))
             # likewise code (exchange tables grow on the tiles that send to many), by the

@@ -109,12 +109,14 @@ class SearchContext:
     casts), ``plans`` (``{operation id: [plan dict, ...]}``, each operator's ``plans`` and
     follow plans), ``tile_count``, ``machine`` (the machine description, a dict of
     ``ipubuild/machines/<name>.toml``), ``producer`` (``{value id: the Op writing it}``) and
-    ``estimator`` (an :class:`Estimator` of layouts). Read-only."""
+    ``estimator`` (an :class:`Estimator` of layouts). Read-only. ``reservations`` (``{kernel
+    variant: code bytes}``, ``compile_kernels``'s) size each kernel's code on a tile; without
+    them a kernel takes one reservation quantum, the least it can."""
 
-    def __init__(self, graph, tile_count: int, machine: dict):
+    def __init__(self, graph, tile_count: int, machine: dict, reservations: dict[str, int] | None = None):
         self.graph, self.tile_count, self.machine = graph, tile_count, machine
         self.plans = plans_of(graph, tile_count)
-        self.estimator = Estimator(graph, tile_count, machine, self.plans)
+        self.estimator = Estimator(graph, tile_count, machine, self.plans, reservations)
         self.producer = {v: op for op in graph.ops for v in op.outputs}
 
 
@@ -323,7 +325,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
     tiles = ctx.config["target"]["tile_count"]
     machine = machine_of(ctx)
     _check_fits(graph, tiles, machine, ctx.config["path"])
-    sc = SearchContext(graph, tiles, machine)
+    sc = SearchContext(graph, tiles, machine, ctx.json("reservations"))
     base = {k: ctx.digest(k) for k in ("graph", "machine", "runtime", "reservations")}
     key = ctx.engine.action_key(ctx.phase, ctx.input_digests, ctx.config)
     path = state_path(ctx)
