@@ -556,3 +556,22 @@ def test_the_allowance_placement_keeps_room_for_kernels_reserved_past_one_quantu
     layout = placement._Greedy(aware_sc, allowance=True).layout(best_effort=True)
     assert max(aware.code_load(layout).values()) + excess <= aware.code_cap
     assert fullest + excess > aware.code_cap
+
+
+def test_screening_refuses_what_needs_more_than_the_incumbent_left_free_on_a_tile():
+    """Given the incumbent's headroom (what its exact storage placement left free on each tile),
+    a proposal that would allocate more on some tile than is free there is over memory; with
+    room to spare, screening finds what it finds without it."""
+    from ipubuild.compiler.estimator import Baseline
+    sc = _vit_context()
+    incumbent = initial_layout(sc, heuristics())
+    proposals = [ch for h in heuristics() for ch in h.propose(incumbent, sc)]
+    layouts = [layout for ch in proposals if (layout := ch._applied(incumbent, sc.plans, sc.tile_count)[0])]
+    plain = Baseline(sc.estimator, incumbent)
+    roomy = Baseline(sc.estimator, incumbent, [1 << 40] * sc.tile_count)
+    none = Baseline(sc.estimator, incumbent, [0] * sc.tile_count)
+    fits = [plain.compare(layout)[1] for layout in layouts]
+    assert [roomy.compare(layout)[1] for layout in layouts] == fits
+    tight = [none.compare(layout)[1] for layout in layouts]
+    assert sum(fits) > sum(tight) > 0       # some grow a tile's buffers, some do not
+    assert not any(t and not f for t, f in zip(tight, fits))

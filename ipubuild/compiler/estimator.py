@@ -3,8 +3,9 @@
 Per operation stage: the slowest tile's compute, the busiest exchange port's time (each
 transfer's setup per row and its bytes, at the sender and at every receiver; a block several
 tiles read from one source is sent once: a broadcast) and a sync. Per tile: the bytes of
-constants it holds, and an estimate of its generated code (its kernels' reservations, its tile
-program, its exchange table). Terms are cached by the choices they depend on (the operation's
+constants it holds, an estimate of its generated code (its kernels' reservations, its tile
+program, its exchange table) and the buffers each operation allocates there (what it gathers and
+writes: against the room an exact evaluation left free, see ``Baseline``). Terms are cached by the choices they depend on (the operation's
 and its producers', follow chains included), so a change costs only the operations it touches
 (``Baseline``).
 """
@@ -30,6 +31,8 @@ class Term(NamedTuple):
     code_tiles: np.ndarray
     code_bytes: np.ndarray   # its tile program and exchange-table entries on each tile
     kernels: tuple           # ((kernel name, tiles that run it), ...)
+    work_tiles: np.ndarray
+    work_bytes: np.ndarray   # the buffers it allocates on each tile: blocks gathered, written
 
     def constants(self) -> dict[int, int]:
         return dict(zip(self.const_tiles.tolist(), self.const_bytes.tolist()))
@@ -206,12 +209,13 @@ class Estimator:
         logical tile's compute cycles, the blocks read of each value that is not a constant (an
         array of ``[logical tile, r0, r1, c0, c1]`` rows, each gathered once) and the blocks
         written; the bytes of constants each logical tile holds; each logical tile's program
-        bytes; and the logical tiles running each kernel."""
+        bytes; the logical tiles running each kernel; and the bytes each logical tile writes."""
         k = (op.id, choice)
         if k not in self._work:
             kernels = self.resolver.reg.kernels
             stages, consts = [], {}
             program, names = collections.Counter(), collections.defaultdict(set)   # per logical tile
+            written = collections.Counter()
             for st in self.resolver.lowering(op, choice).stages:
                 compute = collections.Counter()
                 reads: dict[str, dict] = {}
@@ -220,6 +224,8 @@ class Estimator:
                     for n, a in w.vertices:
                         names[n].add(w.tile)
                         compute[w.tile] += int(kernels[n].cycles(scalar_args(a), self.m))
+                    for blk in w.writes:
+                        written[w.tile] += (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._isz[blk[0]]
                     for blk in w.reads:
                         if blk[0] in self.const_keys:
                             consts[(w.tile, blk)] = (blk[2] - blk[1]) * (blk[4] - blk[3]) * self._isz[blk[0]]
@@ -232,7 +238,8 @@ class Estimator:
                 self.kernel_index.setdefault(n, len(self.kernel_index))
             self._work[k] = (stages, _array([t for t, _ in consts]), _array(list(consts.values())),
                              _array(list(program)), _array(list(program.values())),
-                             tuple((n, _array(sorted(ts))) for n, ts in sorted(names.items())))
+                             tuple((n, _array(sorted(ts))) for n, ts in sorted(names.items())),
+                             _array(list(written)), _array(list(written.values())))
         return self._work[k]
 
     def _compute(self, op, res) -> Term:
@@ -243,8 +250,10 @@ class Estimator:
         choice, offset = res[op.id]
         sync = self.m["exchange"]["sync_cycles"]
         total = pressure = 0
-        stages, const_tiles, const_bytes, program_tiles, program_bytes, kernels = self._stages(op, choice)
+        stages, const_tiles, const_bytes, program_tiles, program_bytes, kernels, out_tiles, out_bytes = \
+            self._stages(op, choice)
         table = np.zeros(self.T, np.int64)           # exchange-table bytes each tile adds
+        work = np.bincount((offset + out_tiles) % self.T, weights=out_bytes, minlength=self.T)
         for compute, reads, writes in stages:
             port = _Ports(self.T, table)
             for vk, logical in reads.items():
@@ -256,6 +265,8 @@ class Estimator:
                 wanted = wanted[~np.isin(row_keys(wanted), blocks.keys())]   # already on the tile
                 if len(wanted):
                     self._exchange(port, wanted, blocks, vk)
+                    np.add.at(work, wanted[:, 0],
+                              (wanted[:, 2] - wanted[:, 1]) * (wanted[:, 4] - wanted[:, 3]) * self._isz[vk])
             written = collections.defaultdict(list)
             for t, blk in writes:
                 written[blk[0]].append(((offset + t) % self.T, tuple(blk[1:])))
@@ -270,8 +281,10 @@ class Estimator:
             load = np.bincount(const_at, weights=const_bytes, minlength=self.T)
             const_at = np.flatnonzero(load)
             const_bytes = load[const_at].astype(np.int64)
+        work_tiles = np.flatnonzero(work)
         return Term(int(total), int(pressure), const_at, const_bytes, code_tiles, code[code_tiles].astype(np.int64),
-                    tuple((n, (offset + ts) % self.T) for n, ts in kernels))
+                    tuple((n, (offset + ts) % self.T) for n, ts in kernels), work_tiles,
+                    work[work_tiles].astype(np.int64))
 
     def _exchange(self, port: "_Ports", reads: np.ndarray, blocks: Blocks, vk: str) -> None:
         """Charge the ports for gathering ``reads`` (rows ``[tile, r0, r1, c0, c1]``) from where
@@ -371,10 +384,17 @@ class Loads:
 
 class Baseline:
     """A layout's estimate and per-tile loads, against which other layouts are estimated by
-    re-costing only the operations whose choices differ and their consumers."""
+    re-costing only the operations whose choices differ and their consumers.
 
-    def __init__(self, est: Estimator, layout: dict):
+    ``headroom`` (per tile, the bytes of data memory the layout's exact storage placement left
+    free: ``storage.headroom``), when known, bounds what another layout may add on each tile:
+    the constants it adds, and for each operation it re-costs the buffers it allocates there
+    beyond the layout's (an operation's buffers are live around its own step: their growth
+    bounds the growth of the tile's peak). A layout over it does not fit."""
+
+    def __init__(self, est: Estimator, layout: dict, headroom=None):
         self.est, self.layout = est, layout
+        self.headroom = None if headroom is None else np.asarray(headroom, dtype=np.int64)
         self.res = est.resolve(layout)
         self.terms = {op.id: est.term(op, layout, self.res) for op in est.g.ops}
         valid = all(t is not None for t in self.terms.values())
@@ -394,6 +414,7 @@ class Baseline:
         total, loads = self.total, self.loads.copy()
         if total is None:
             return None, False
+        grown = None if self.headroom is None else np.zeros(est.T, np.int64)
         for i in touched:
             self.asked.add(est._term_key(est.g.ops[i], res))
             new = est.term(est.g.ops[i], layout, res)
@@ -403,7 +424,16 @@ class Baseline:
             total += new.cycles - old.cycles
             loads.add(old, -1)
             loads.add(new)
-        return total, loads.fit()
+            if grown is not None:
+                delta = np.zeros(est.T, np.int64)
+                delta[new.work_tiles] += new.work_bytes
+                delta[old.work_tiles] -= old.work_bytes
+                grown += np.maximum(delta, 0)
+        fits = loads.fit()
+        if fits and grown is not None:
+            grown += np.maximum(loads.const - self.loads.const, 0)
+            fits = not (grown > self.headroom).any()
+        return total, fits
 
 
 def give_back_memory() -> None:

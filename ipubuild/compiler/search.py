@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..engine import canonical, executors
-from ..graph.artifacts import graph_of, machine_of, to_json
+from ..graph.artifacts import graph_of, machine_from, machine_of, to_json
 from ..engine.engine import PHASES, MissingBlob, phase
 from ..engine.errors import UserError
 from ..engine.files import write_atomic
@@ -32,6 +32,7 @@ from .estimator import Baseline, Estimator
 from .placement import initial_layouts
 from .planning.phases import OPS   # and registers the phases a candidate's evaluation runs
 from .planning.program import plans_of
+from .planning.storage import headroom
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
               "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
@@ -134,7 +135,9 @@ def phase_inputs(ph, artifacts: dict[str, str]) -> dict[str, str]:
 
 
 def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
-    """Run the compiler's phases up to the costed, placed program for ``layout``."""
+    """Run the compiler's phases up to the costed, placed program for ``layout``: its ``cycles``,
+    ``exchange`` and ``headroom`` (``storage.headroom``: what later screenings may add per tile),
+    or why it is ``invalid``."""
     artifacts = dict(base, layout=engine.put(canonical.encode(layout), pin=True))
     before = collections.Counter(engine.stats)
     try:
@@ -149,7 +152,9 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
         return {"invalid": str(exc)}
     cost = engine.decoded(artifacts["cost"])
     after = engine.stats
-    return {"cycles": cost["final_cycles"], "exchange": cost["final_exchange"],
+    room = headroom(engine.decoded(artifacts["storage"]), engine.decoded(artifacts["program"])["buffers"],
+                    machine_from(engine.fetch(artifacts["machine"]))["memory"]["alignment"])
+    return {"cycles": cost["final_cycles"], "exchange": cost["final_exchange"], "headroom": room,
             "hits": after["hit"] - before["hit"], "misses": after["miss"] - before["miss"]}
 
 
@@ -354,7 +359,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                 log.info("initial layout does not build; trying the next", reason=repr(result["invalid"]))
         if "invalid" in result:
             raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
-        cycles = result["cycles"]
+        cycles, room = result["cycles"], result["headroom"]
         log.info("validated search incumbent", cycles=cycles, resuming=resuming)
         sc.estimator.forget(keep=incumbent)
         if not resuming or state["round"] < cfg["rounds"]:      # it will screen
@@ -364,7 +369,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             # skips a step an uninterrupted one takes
             state = {"key": key, "incumbent": incumbent, "cycles": cycles, "attempts": 0, "round": 0,
                      "visited": [canonical.digest_of(incumbent)], "history": [], "heuristics": {}}
-            incumbent, cycles = _screen_mappings(sc, incumbent, cycles, pool, state)
+            incumbent, cycles, room = _screen_mappings(sc, incumbent, cycles, room, pool, state)
             state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(set(state["visited"]) | {canonical.digest_of(incumbent)})
             _save(path, state)
@@ -374,7 +379,8 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()
             proposals = [(h.name, ch) for h in found for ch in _proposals(h, incumbent, sc)]
-            screened = screen_round(proposals, incumbent, sc, visited, cfg["shortlist"], [h.name for h in found])
+            screened = screen_round(proposals, incumbent, sc, visited, cfg["shortlist"], [h.name for h in found],
+                                    headroom=room)
             per = screened.heuristics
             log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
                      **screened.invalid, **_by_heuristic(per, ROUND_FIELDS))
@@ -427,7 +433,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                 _count_round(state, rnd, per)
                 state["history"].append({"round": rnd, "before": cycles, "after": r["cycles"],
                                          "heuristic": name, "proposal": pid})
-                incumbent, cycles = layout, r["cycles"]
+                incumbent, cycles, room = layout, r["cycles"], r["headroom"]
                 state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(visited)
             _save(path, state)
@@ -479,9 +485,10 @@ def mapping_candidates(layout: dict, tile_count: int) -> list[dict]:
     return out
 
 
-def _screen_mappings(sc, incumbent, cycles, pool, state):
+def _screen_mappings(sc, incumbent, cycles, room, pool, state):
     """Screen whole-program tile mappings by exchange resource load (the estimator's busiest
-    port); evaluate the best one exactly and keep it only if it is cheaper."""
+    port); evaluate the best one exactly and keep it only if it is cheaper: the layout, its
+    cycles and its headroom."""
     est = sc.estimator
     candidates = mapping_candidates(incumbent, sc.tile_count)
     base_c, base_p = est.estimate(incumbent), est.pressure(incumbent)
@@ -495,9 +502,9 @@ def _screen_mappings(sc, incumbent, cycles, pool, state):
         if "invalid" not in r and r["cycles"] < cycles:
             log.info("accepted tile mapping", before=cycles, after=r["cycles"])
             state["history"].append({"round": 0, "before": cycles, "after": r["cycles"]})
-            return candidates[i], r["cycles"]
+            return candidates[i], r["cycles"], r["headroom"]
     log.info("retained incumbent tile mapping")
-    return incumbent, cycles
+    return incumbent, cycles, room
 
 
 def _proposals(h: Heuristic, layout, sc) -> list:
@@ -538,9 +545,10 @@ class Screening:
     shortlist: list
 
 
-def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=()) -> Screening:
+def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(), headroom=None) -> Screening:
     """Screen ``[(heuristic name, Changes), ...]`` (in the heuristics' order): drop the invalid
-    ones (by reason), those already evaluated (``visited``: layout digests) and repeats, estimate
+    ones (by reason: ``over_memory`` includes those that would add more on a tile than the
+    incumbent's ``headroom`` there, when known: see ``Baseline``), those already evaluated (``visited``: layout digests) and repeats, estimate
     the rest, keep the ``shortlist_size`` cheapest that the estimate finds cheaper than the
     incumbent (ties: the earlier proposal). Proposals are screened in order of the estimated
     cost of the operations they change, costliest first, until SCREEN_BUDGET is spent; the rest
@@ -557,7 +565,7 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
         ids.append(f"{name}#{c['proposed']}" if name else order)
         c["proposed"] += 1
     est = sc.estimator
-    baseline = Baseline(est, incumbent)
+    baseline = Baseline(est, incumbent, headroom)
     first, cheaper = {}, {}     # layout digest -> (order, heuristic) of its speaker; -> its shortlist entry
     budget = SCREEN_BUDGET * 64 // max(64, sc.tile_count)
     ranked = sorted(range(len(proposals)), key=lambda i: (-_weight(proposals[i][1], baseline), i))

@@ -21,6 +21,11 @@ def machine_of(ctx) -> dict:
     return _machine(ctx.bytes("machine"))
 
 
+def machine_from(data: bytes) -> dict:
+    """A ``machine`` artifact's bytes, parsed (memoised by content)."""
+    return _machine(data)
+
+
 def graph_of(ctx) -> Graph:
     return Graph.from_json(ctx.json("graph"))
 

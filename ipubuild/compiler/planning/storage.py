@@ -121,3 +121,23 @@ def _gaps(live, lo, hi, alignment):
 
 def _largest_gap(live, ranges, alignment):
     return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, alignment)), default=0)
+
+
+def headroom(placed: dict, buffers: dict, alignment: int) -> list[int]:
+    """Per tile (tile order), the data memory no buffer of a placement ever uses: the largest
+    of its ranges' free tops (above the last buffer placed in the range). ``placed`` is a
+    ``storage`` artifact (``{tile: {"ranges", "addresses"}}``), ``buffers`` its program's. A
+    buffer that fits there fits the placement, whatever else is live."""
+    out = [0] * len(placed)
+    for tile, p in placed.items():
+        addresses, bufs = p["addresses"], buffers.get(tile, {})
+        start = np.fromiter(addresses.values(), np.int64, len(addresses))
+        size = np.fromiter((bufs[b]["size"] for b in addresses), np.int64, len(addresses))
+        end = start + -(-np.maximum(size, 1) // alignment) * alignment
+        best = 0
+        for lo, hi in p["ranges"]["available_ranges"]:
+            inside = end[(start >= lo) & (start < hi)]
+            top = align_up(int(inside.max()) if len(inside) else lo, alignment)
+            best = max(best, hi - top)
+        out[int(tile)] = best
+    return out
