@@ -487,7 +487,8 @@ def mapping_candidates(layout: dict, tile_count: int) -> list[dict]:
 
 def _screen_mappings(sc, incumbent, cycles, room, pool, state):
     """Screen whole-program tile mappings by exchange resource load (the estimator's busiest
-    port); evaluate the best one exactly and keep it only if it is cheaper: the layout, its
+    port); evaluate the best one exactly, unless it needs more on some tile than the
+    incumbent's ``room`` (its headroom), and keep it only if it is cheaper: the layout, its
     cycles and its headroom."""
     est = sc.estimator
     candidates = mapping_candidates(incumbent, sc.tile_count)
@@ -496,7 +497,9 @@ def _screen_mappings(sc, incumbent, cycles, room, pool, state):
     best_c, best_p, i = scored[0]
     log.info("screened tile mappings by exchange resource load", candidates=len(candidates),
              baseline_cycles=base_c, candidate_cycles=best_c, baseline_pressure=base_p, candidate_pressure=best_p)
-    if best_c < base_c:
+    if best_c < base_c and room is not None and not Baseline(est, incumbent, room).compare(candidates[i])[1]:
+        log.info("refused tile mapping: more than the incumbent's placement has room for on some tile")
+    elif best_c < base_c:
         state["attempts"] += 1
         r = pool.map([(state["attempts"], i, candidates[i])])[0]
         if "invalid" not in r and r["cycles"] < cycles:
