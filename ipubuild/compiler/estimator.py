@@ -4,10 +4,10 @@ Per operation stage: the slowest tile's compute, the busiest exchange port's tim
 transfer's setup per row and its bytes, at the sender and at every receiver; a block several
 tiles read from one source is sent once: a broadcast) and a sync. Per tile: the bytes of
 constants it holds, an estimate of its generated code (its kernels' reservations, its tile
-program, its exchange table) and the buffers each operation allocates there (what it gathers and
-writes: against the room an exact evaluation left free, see ``Baseline``). Terms are cached by the choices they depend on (the operation's
-and its producers', follow chains included), so a change costs only the operations it touches
-(``Baseline``).
+program, its exchange table) and the buffers each operation allocates there (what it gathers
+and writes: against the room an exact evaluation left free, see ``Baseline``). Terms are cached
+by the choices they depend on (the operation's and its producers', follow chains included), so
+a change costs only the operations it touches (``Baseline``).
 """
 from __future__ import annotations
 

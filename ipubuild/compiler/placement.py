@@ -35,7 +35,7 @@ CODE_PROGRESS_FLOOR = 0.5
 #: margin (the next if the exact evaluation finds the last one's code over). The estimate of a
 #: tile's program and exchange table is ~1–2 KB (≤ 1.5 % of the cap) under what the exact
 #: evaluation finds on ViT-B/16's fullest tiles; a larger margin places worse (1.64 M cycles
-#: at 0.1 against 1.34 M at 0.02)
+#: at 0.1 against 1.37 M at 0.02)
 CODE_MARGINS = (0.02, 0.1)
 
 
