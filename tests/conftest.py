@@ -1,6 +1,7 @@
 """Fixtures shared by the test modules that build trees in subprocesses."""
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,14 @@ def code(tmp_path_factory) -> Path:
 #: most tests first, and the one-test isolation re-run last)
 LONGEST_FIRST = ("test_plugin_isolation.py", "test_mutations_bite.py", "test_incremental.py", "test_cluster.py",
                  "test_selfheal.py", "test_reliability.py", "test_search.py", "test_console.py")
+
+
+def pytest_configure(config):
+    # the tests that interrupt a build send Ctrl-C as a terminal does; a runner may start pytest with
+    # SIGINT blocked or ignored, which every child process would keep (a blocked Ctrl-C never arrives)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(items):

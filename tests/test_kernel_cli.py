@@ -123,8 +123,13 @@ def test_watch_builds_again_when_a_kernel_source_is_saved(tree, tmp_path):
     finally:
         # stopped before the source is restored: the restore is a save it would build again
         os.killpg(p.pid, signal.SIGINT)
-        p.wait(timeout=30)
-        gelu.write_text(text)
+        try:
+            p.wait(timeout=30)
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            gelu.write_text(text)
+    assert "watch stopped" in log.read_text(), log.read_text()[-2000:]
 
 
 def test_a_plugin_kernel_that_is_not_a_checked_build_is_said_in_the_closing_line(tmp_path):
