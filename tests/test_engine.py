@@ -582,6 +582,28 @@ def _same_plan(a, b) -> bool:
     return canonical.is_normal(a) and type(a) is type(b) and a == b
 
 
+def test_a_plan_blobs_memory_estimate_is_what_its_decoded_value_holds():
+    """The decoded-value cache is bounded by real memory: a plan blob's estimate is within 1.5 x of
+    the blob plus what decoding it allocates — mostly its JSON skeleton's objects (a program's buffer
+    dicts), not its arrays, which are views of the blob."""
+    import gc
+    import tracemalloc
+    import numpy as np
+    from ipubuild.graph.artifacts import from_plan_blob, plan_blob_memory, to_plan_blob
+    value = {"buffers": [{"name": f"t{i}.{j}", "tile": i, "bytes": 64 * j} for i in range(2000) for j in range(10)],
+             "steps": [{"transfers": np.arange(1200, dtype=np.int32).reshape(-1, 4) + s} for s in range(100)]}
+    data = bytes(to_plan_blob(value, (("steps", "*", "transfers"),)))
+    gc.collect()
+    tracemalloc.start()
+    try:
+        decoded = from_plan_blob(data)
+        held = len(data) + tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(decoded["buffers"]) == 20000
+    assert held / 1.5 <= plan_blob_memory(data) <= held * 1.5, (plan_blob_memory(data), held)
+
+
 def test_doit_and_the_action_cache_share_one_signature(tmp_path, monkeypatch):
     """Every ingredient of a phase's signature — name, code, toolchain, plugins, configuration read
     — moves both doit's up-to-date value (``analysis.step_entry``) and the action key; inputs move

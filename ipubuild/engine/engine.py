@@ -199,7 +199,7 @@ class Engine:
         ``canonical.Json``, its value); ``pin`` as ``Store.put``."""
         d = self.store.put(data, pin=pin)
         if hasattr(data, "value"):          # canonical.Json, or a plan blob: its value at hand
-            self._remember(d, data.value, canonical.heap_estimate(data))
+            self._remember(d, data.value, _memory(data))
         if len(data) <= self.RECENT_BLOB_MAX:
             with self._lock:
                 if d not in self._recent:
@@ -267,10 +267,10 @@ class Engine:
                 return self._decoded[digest][0]
         data = self.fetch(digest)
         value = _loads(data)
-        self._remember(digest, value, canonical.heap_estimate(data))
+        self._remember(digest, value, _memory(data))
         return value
 
-    # decoded values kept, by their memory (``canonical.heap_estimate``), 2 GiB of it: a ViT-B/16
+    # decoded values kept, by their memory (``_memory``), 2 GiB of it: a ViT-B/16
     # candidate's values and not several candidates' in a search worker
     DECODED_BYTES = 2 << 30
 
@@ -287,13 +287,20 @@ class Engine:
 def _loads(data: bytes):
     """JSON bytes decoded (orjson, several times faster than ``json`` on planning artifacts;
     ``json`` for what orjson refuses, such as integers beyond 64 bits)."""
-    if data[:len(canonical.PLAN_MAGIC)] == canonical.PLAN_MAGIC:
+    if canonical.is_plan_blob(data):
         return registry.load(registry.PLAN_CODEC).from_plan_blob(data)
     import orjson
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
         return canonical.loads(data)
+
+
+def _memory(data: bytes) -> int:
+    """About how much memory a blob's decoded value takes."""
+    if canonical.is_plan_blob(data):
+        return registry.load(registry.PLAN_CODEC).plan_blob_memory(data)
+    return canonical.heap_estimate(data)
 
 
 _gc_depth = [0]

@@ -21,10 +21,15 @@ def pack(arrays: dict[str, np.ndarray]) -> bytes:
     return struct.pack("<I", len(head)) + head + b"".join(chunks)
 
 
-def unpack(data: bytes) -> dict[str, np.ndarray]:
+def read_header(data: bytes) -> tuple[int, list]:
+    """Where a ``pack``'s arrays begin, and its header: ``[name, dtype, shape, offset, size]`` an
+    array, without reading them."""
     (n,) = struct.unpack_from("<I", data)
-    header = canonical.loads(bytes(data[4:4 + n]))
-    base = 4 + n
+    return 4 + n, canonical.loads(bytes(data[4:4 + n]))
+
+
+def unpack(data: bytes) -> dict[str, np.ndarray]:
+    base, members = read_header(data)
     return {name: np.frombuffer(data, dtype=np.dtype(dt), count=int(np.prod(shape, dtype=np.int64)),
                                 offset=base + off).reshape(shape)
-            for name, dt, shape, off, size in header}
+            for name, dt, shape, off, size in members}
