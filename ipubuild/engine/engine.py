@@ -270,9 +270,9 @@ class Engine:
         self._remember(digest, value, _memory(data))
         return value
 
-    # decoded values kept, by their memory (``_memory``), 3 GiB of it: a ViT-B/16 candidate's
-    # values (its program alone 1.5 GB, about 2 GB with its schedules, tables and storage) and not several
-    # candidates' in a search worker
+    # decoded values kept, by their memory (``_memory``), 3 GiB of it: a ViT-B/16 candidate's values
+    # (its program alone 1.5 GB, about 2 GB with its schedules, tables and storage) and not
+    # several candidates' in a search worker
     DECODED_BYTES = 3 << 30
 
     def _remember(self, digest: str, value, size: int) -> None:
