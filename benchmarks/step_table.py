@@ -1,5 +1,6 @@
 """A target's program, step by step, without a build: lower its graph, place the initial layout
-(or read one: a layout JSON, or the search state's incumbent), and print the estimator's figure
+(with the kernels' reservations of the last build in the current tree, as the build places it),
+or read one (a layout JSON, or the search state's incumbent), and print the estimator's figure
 and, with ``--exact``, the cost model's (the program, each exchange phase scheduled, the cost:
 no storage placement, tile images or device), per step: exchange, compute, sync, and the gap to
 the step's share of the lower bound. The fast loop for plan work: ViT-B/16's initial layout
@@ -39,7 +40,8 @@ def main(argv=None) -> int:
     graph = frontend.build_model(plugins.get_plugin_manager(), target).graph
     tiles = target["target"]["tile_count"]
     machine = load_machine(target["target"]["machine"])
-    sc = SearchContext(graph, tiles, machine)
+    reservations = _built_reservations(args.target)
+    sc = SearchContext(graph, tiles, machine, reservations)
     if args.layout:
         raw = Path(args.layout).read_bytes()
         if raw[:64].isalnum() and b"\n" in raw[:80]:          # a search state: checksum line first
@@ -51,7 +53,9 @@ def main(argv=None) -> int:
         layout = next(initial_layouts(sc))
     est = sc.estimator
     res = est.resolve(layout)
-    print(f"{args.target}: {len(graph.ops)} operations on {tiles} tiles; estimate {est.estimate(layout)}, "
+    print(f"{args.target}: {len(graph.ops)} operations on {tiles} tiles, kernel reservations "
+          f"{'of the last build here' if reservations else 'not known (one quantum a kernel)'}; "
+          f"estimate {est.estimate(layout)}, "
           f"within the caps: {est.fits(layout)} ({time.perf_counter() - t0:.0f} s)")
     grids = [(op.name, {d: p[d] for d in "mnk"}) for op in graph.ops
              if "m" in (p := est.resolver.plan(op, res[op.id][0]))]
@@ -88,6 +92,25 @@ def main(argv=None) -> int:
         by_kind[op["name"].split("#")[0].split(".")[-1]] += s["exchange"] + s["compute"] + s["sync"]
     print("by operation:", ", ".join(f"{k} {v}" for k, v in by_kind.most_common(8)))
     return 0
+
+
+def _built_reservations(target: str) -> dict | None:
+    """What the last build of ``target`` in this tree's cache reserved for each kernel (the
+    initial layout is placed with it, as the build does), or None."""
+    from ipubuild.build.pipeline import Workspace
+    from ipubuild.engine import canonical
+    ws = Workspace.at(Path.cwd())
+    try:
+        digest = ws.ref_path(f"{target}/kernel_reservations").read_text().strip()
+    except OSError:
+        return None
+    from ipubuild.engine import registry
+    from ipubuild.engine.engine import MissingBlob
+    registry.load_phases()
+    try:
+        return canonical.loads(ws.engine.fetch(digest))      # the cache may have let it go: made again
+    except MissingBlob:
+        return None
 
 
 if __name__ == "__main__":
