@@ -552,11 +552,12 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
     """Screen ``[(heuristic name, Changes), ...]`` (in the heuristics' order): drop the invalid
     ones (by reason: ``over_memory`` includes those that would add more on a tile than the
     incumbent's ``headroom`` there, when known: see ``Baseline``), those already evaluated
-    (``visited``: layout digests) and repeats, estimate the rest, keep the ``shortlist_size`` cheapest that the estimate finds cheaper than the
-    incumbent (ties: the earlier proposal). Proposals are screened in order of the estimated
-    cost of the operations they change, costliest first, until SCREEN_BUDGET is spent; the rest
-    count as ``unscreened``. A proposal's id is ``<heuristic>#<index>``: its index in the list
-    its heuristic returned this round. Of proposals giving one layout, the earliest speaks for
+    (``visited``: layout digests) and repeats, estimate the rest, keep the ``shortlist_size``
+    cheapest that the estimate finds cheaper than the incumbent (ties: the earlier proposal).
+    Proposals are screened in order of the estimated cost of the operations they change,
+    costliest first, until SCREEN_BUDGET is spent; the rest count as ``unscreened``. A
+    proposal's id is ``<heuristic>#<index>``: its index in the list its heuristic returned
+    this round. Of proposals giving one layout, the earliest speaks for
     it; the others count as ``deduplicated`` (for their heuristics). ``heuristics`` names
     heuristics to count even if they proposed nothing."""
     counts = dict(invalid=0, visited=0, not_cheaper=0, deduplicated=0, truncated=0, shortlisted=0, unscreened=0)

@@ -163,17 +163,17 @@ def from_plan_blob(data: bytes):
     return value
 
 
+_VIEW_BYTES = 112       # sys.getsizeof of a numpy view
+
+
 def plan_blob_memory(data: bytes) -> int:
     """About how much memory ``from_plan_blob``'s value holds, read from the blob's header: the
     blob itself (its arrays are views of it), the JSON skeleton as Python objects (8 bytes a byte,
     as ``canonical.heap_estimate``) and a view object per array it hands out."""
     _, members = tensors.read_header(memoryview(data)[len(canonical.PLAN_MAGIC):])
-    sizes = {name: (shape, size) for name, _, shape, _, size in members}
-    views = sum(shape[0] - 1 for name, (shape, _) in sizes.items() if name.endswith(".starts"))
-    return len(data) + 8 * sizes["skeleton"][1] + _VIEW_BYTES * views
-
-
-_VIEW_BYTES = 112       # sys.getsizeof of a numpy view
+    skeleton = next(size for name, _, _, _, size in members if name == "skeleton")
+    views = sum(shape[0] - 1 for name, _, shape, _, _ in members if name.endswith(".starts"))
+    return len(data) + 8 * skeleton + _VIEW_BYTES * views
 
 
 def _put(value, path: list, parts):
