@@ -53,8 +53,8 @@ def main(argv=None) -> int:
         layout = next(initial_layouts(sc))
     est = sc.estimator
     res = est.resolve(layout)
-    print(f"{args.target}: {len(graph.ops)} operations on {tiles} tiles, kernel reservations "
-          f"{'of the last build here' if reservations else 'not known (one quantum a kernel)'}; "
+    print(f"{args.target}: {len(graph.ops)} operations on {tiles} tiles; "
+          f"{'the initial layout placed with the kernel reservations of the last build here; ' if reservations and not args.layout else ''}"
           f"estimate {est.estimate(layout)}, "
           f"within the caps: {est.fits(layout)} ({time.perf_counter() - t0:.0f} s)")
     grids = [(op.name, {d: p[d] for d in "mnk"}) for op in graph.ops
@@ -95,20 +95,21 @@ def main(argv=None) -> int:
 
 
 def _built_reservations(target: str) -> dict | None:
-    """What the last build of ``target`` in this tree's cache reserved for each kernel (the
-    initial layout is placed with it, as the build does), or None."""
-    from ipubuild.build.pipeline import Workspace
-    from ipubuild.engine import canonical
-    ws = Workspace.at(Path.cwd())
-    try:
-        digest = ws.ref_path(f"{target}/kernel_reservations").read_text().strip()
-    except OSError:
+    """What the last build of ``target`` in the current tree reserved for each kernel (the
+    initial layout is placed with it, as the build does), or None where nothing was built. A
+    blob the cache has let go is made again by its self-healing (``compile_kernels`` re-run)."""
+    if not (Path.cwd() / ".ipubuild" / "refs" / target / "kernel_reservations.ref").exists():
         return None
-    from ipubuild.engine import registry
+    from ipubuild.build.pipeline import Workspace
+    from ipubuild.engine import canonical, registry
     from ipubuild.engine.engine import MissingBlob
+    ws = Workspace.at(Path.cwd())
+    digest = ws.read_ref(f"{target}/kernel_reservations")
+    if digest is None:
+        return None
     registry.load_phases()
     try:
-        return canonical.loads(ws.engine.fetch(digest))      # the cache may have let it go: made again
+        return canonical.loads(ws.engine.fetch(digest))
     except MissingBlob:
         return None
 

@@ -60,10 +60,11 @@ def test_a_real_programs_tiles_are_placed_as_the_python_loop():
     assert checked >= 16
 
 
-def test_headroom_is_the_free_top_of_each_tiles_largest_range():
+def test_headroom_is_the_largest_free_top_of_a_tiles_ranges():
     placed = {"0": {"ranges": {"available_ranges": [[0, 1000], [2000, 5000]]},
                     "addresses": {"a": 0, "b": 100, "c": 2000}},
               "1": {"ranges": {"available_ranges": [[0, 1000], [2000, 2600]]}, "addresses": {}}}
-    buffers = {"0": {"a": {"size": 100}, "b": {"size": 50}, "c": {"size": 10}}}
-    # tile 0: [0, 1000) used up to 152 (b's 50 bytes aligned to 8), [2000, 5000) up to 2016
-    assert storage.headroom(placed, buffers, 8) == [5000 - 2016, 1000]
+    buffers = {"0": {"a": {"size": 100}, "b": {"size": 50}, "c": {"size": 2900}}}
+    # tile 0: [0, 1000) used up to 156 (b's 50 bytes from 100 take 56), free from 160 (aligned);
+    # [2000, 5000) up to 4904: the smaller range has the larger free top
+    assert storage.headroom(placed, buffers, 8) == [1000 - 160, 1000]

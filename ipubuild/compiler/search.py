@@ -111,8 +111,9 @@ class SearchContext:
     follow plans), ``tile_count``, ``machine`` (the machine description, a dict of
     ``ipubuild/machines/<name>.toml``), ``producer`` (``{value id: the Op writing it}``) and
     ``estimator`` (an :class:`Estimator` of layouts). Read-only. ``reservations`` (``{kernel
-    variant: code bytes}``, ``compile_kernels``'s) size each kernel's code on a tile; without
-    them a kernel takes one reservation quantum, the least it can."""
+    variant: code bytes}``, ``compile_kernels``'s) give the estimator's ``reservation_excess``
+    (what kernels reserve past one quantum), which the initial placement keeps free; without
+    them it is 0."""
 
     def __init__(self, graph, tile_count: int, machine: dict, reservations: dict[str, int] | None = None):
         self.graph, self.tile_count, self.machine = graph, tile_count, machine
@@ -498,7 +499,8 @@ def _screen_mappings(sc, incumbent, cycles, room, pool, state):
     log.info("screened tile mappings by exchange resource load", candidates=len(candidates),
              baseline_cycles=base_c, candidate_cycles=best_c, baseline_pressure=base_p, candidate_pressure=best_p)
     if best_c < base_c and room is not None and not Baseline(est, incumbent, room).compare(candidates[i])[1]:
-        log.info("refused tile mapping: more than the incumbent's placement has room for on some tile")
+        log.info("refused tile mapping: over the estimator's caps, or more than the incumbent's placement "
+                 "has room for, on some tile")
     elif best_c < base_c:
         state["attempts"] += 1
         r = pool.map([(state["attempts"], i, candidates[i])])[0]

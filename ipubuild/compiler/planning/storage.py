@@ -126,8 +126,9 @@ def _largest_gap(live, ranges, alignment):
 def headroom(placed: dict, buffers: dict, alignment: int) -> list[int]:
     """Per tile (tile order), the data memory no buffer of a placement ever uses: the largest
     of its ranges' free tops (above the last buffer placed in the range). ``placed`` is a
-    ``storage`` artifact (``{tile: {"ranges", "addresses"}}``), ``buffers`` its program's. A
-    buffer that fits there fits the placement, whatever else is live."""
+    ``storage`` artifact (``{tile: {"ranges", "addresses"}}``), ``buffers`` its program's. One
+    more buffer placed there fits beside the placement, whatever else is live; a changed layout
+    is placed again by first fit, so for it this is an estimate of its room, not a bound."""
     out = [0] * len(placed)
     for tile, p in placed.items():
         addresses, bufs = p["addresses"], buffers.get(tile, {})
