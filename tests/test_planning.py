@@ -540,6 +540,22 @@ def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
     assert broadcast       # the bound is met with broadcasts in the tables
 
 
+def test_provisional_code_of_a_changed_step_is_its_own_not_the_memoised_one(vit_program):
+    """The per-step tables are memoised by the transfers' bytes: a step whose transfers change
+    (same count, other sources) is costed afresh."""
+    none = {k: 0 for k in registry().kernels}
+    warm = phases.provisional_code_bytes(vit_program, none)
+    s = max(range(len(vit_program["steps"])), key=lambda i: len(vit_program["steps"][i]["transfers"]))
+    changed = dict(vit_program, steps=list(vit_program["steps"]))
+    t = vit_program["steps"][s]["transfers"].copy()
+    t[:, 0] = (t[:, 0] + 1) % vit_program["tile_count"]           # every transfer from the next tile
+    changed["steps"][s] = dict(changed["steps"][s], transfers=t)
+    got = phases.provisional_code_bytes(changed, none)
+    phases._step_tables.clear()
+    assert got == phases.provisional_code_bytes(changed, none) != warm
+    assert phases.provisional_code_bytes(vit_program, none) == warm
+
+
 def _merge_adjacent_lists(entries):
     """The list form ``exchange.merge_adjacent`` had: the reference its arrays are checked against."""
     def dests(e):

@@ -14,6 +14,7 @@ import numpy as np
 from ...graph import tensors
 from ...graph.artifacts import graph_of, machine_of, params_of, to_json as _json
 from ...graph.artifacts import to_plan_blob, to_plan_json as _plan
+from ...engine import canonical
 from ...engine.engine import phase
 from ...engine.executors import run_phases
 from ...engine.log import log, progress
@@ -48,22 +49,39 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     per_tile = kernels_per_tile(program)
     tiles = program["tile_count"]
     table = np.zeros(tiles, np.int64)
-    entry = codegen.exchange_bytes(1, 0) - codegen.exchange_bytes(0, 0)
-    per_destination = codegen.exchange_bytes(0, 1) - codegen.exchange_bytes(0, 0)
     for step in program["steps"]:
-        if not len(step["transfers"]):
-            continue
-        # not kept for schedule_exchange_phase: on ViT-B/16 every step's groups at once are
-        # gigabytes (it groups them again, one step at a time)
-        _, plain, pairs = exchange.grouped_arrays(step["transfers"])
-        sizes = [np.bincount(g.heads[:, 0], weights=entry + per_destination * g.destinations(), minlength=tiles)
-                 for g in (plain, pairs)]
-        table += np.maximum(*sizes).astype(np.int64)
+        if len(step["transfers"]):
+            table += _step_table(step["transfers"], tiles)
     table = table.tolist()
     by_tile = _steps_by_tile(program)
     return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
             + table[int(tile)] + _program_size(program, tile, per_tile.get(tile, []), by_tile)
             for tile in program["buffers"]}
+
+
+def _step_table(transfers: np.ndarray, tiles: int) -> np.ndarray:
+    """Per tile, the larger of the exchange tables one step's transfers may keep. Memoised by
+    the transfers' bytes: a search candidate shares most steps with its incumbent (on ViT-B/16
+    the grouping is 3.5 s of a candidate), and forked workers inherit the parent's."""
+    key = (canonical.digest(np.ascontiguousarray(transfers)), transfers.dtype.str, transfers.shape, tiles)
+    found = _step_tables.get(key)
+    if found is None:
+        entry = codegen.exchange_bytes(1, 0) - codegen.exchange_bytes(0, 0)
+        per_destination = codegen.exchange_bytes(0, 1) - codegen.exchange_bytes(0, 0)
+        # not kept for schedule_exchange_phase: on ViT-B/16 every step's groups at once are
+        # gigabytes (it groups them again, one step at a time)
+        _, plain, pairs = exchange.grouped_arrays(transfers)
+        sizes = [np.bincount(g.heads[:, 0], weights=entry + per_destination * g.destinations(), minlength=tiles)
+                 for g in (plain, pairs)]
+        found = np.maximum(*sizes).astype(np.int64)
+        found.flags.writeable = False
+        if len(_step_tables) >= 1024:
+            _step_tables.clear()
+        _step_tables[key] = found
+    return found
+
+
+_step_tables: dict = {}
 
 
 def _steps_by_tile(program) -> dict[str, list]:
