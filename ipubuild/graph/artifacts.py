@@ -124,12 +124,12 @@ def to_plan_blob(value, arrays: tuple[tuple, ...]) -> bytes:
         found = []
         skeleton = _take(skeleton, list(path), found)
         if found:
-            members[f"a{n}"] = np.concatenate(found)
+            members[f"a{n}"] = found                   # concatenated as it is written
             members[f"a{n}.starts"] = np.cumsum([0] + [len(a) for a in found], dtype=np.int64)
         where.append(list(path))
     head = orjson.dumps({"value": skeleton, "arrays": where}, option=orjson.OPT_SORT_KEYS)
     members["skeleton"] = np.frombuffer(head, np.uint8)
-    out = PlanBlob(canonical.PLAN_MAGIC + tensors.pack(members))
+    out = PlanBlob(tensors.pack(members, prefix=canonical.PLAN_MAGIC))
     out.value = value
     return out
 
