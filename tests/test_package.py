@@ -551,3 +551,15 @@ def test_tile_images_swapped_between_slots_are_refused():
     reject(write_package(dict(m, tile_images=[db, da, idle]), mem),
            rf"^tile 0 holds tile image {db[:16]}, whose exchange table sends from tile 1: the tile table "
            "does not put each image in its tile's slot$")
+
+
+def test_a_member_given_as_parts_packs_as_their_concatenation():
+    from ipubuild.graph import tensors
+    rng = np.random.default_rng(3)
+    parts = [np.zeros((0, 10), np.int32), rng.integers(-9, 9, (5, 10)).astype(np.int32),
+             rng.integers(0, 9, (2, 10)).astype(np.int64)]
+    whole = {"a": np.concatenate(parts), "b": np.float32(2.5), "c": rng.random((3, 4))[:, ::2]}
+    packed = tensors.pack({**whole, "a": parts}, prefix=b"MAGIC")
+    assert packed == b"MAGIC" + tensors.pack(whole)
+    got = tensors.unpack(packed[5:])
+    assert got["a"].dtype == np.int64 and (got["a"] == whole["a"]).all() and (got["c"] == whole["c"]).all()
