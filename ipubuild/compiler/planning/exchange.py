@@ -343,6 +343,45 @@ def schedule_phase(transfers, machine: dict) -> dict:
             "horizon": min(ordinary, paired), "candidates": len(merged)}
 
 
+def renumbered(transfers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One exchange phase's transfers with their buffers renumbered in order (the k-th smallest
+    buffer code of the phase becomes that of ``g`` and k in eight digits), and the codes they
+    stand for. Grouping, scheduling and table sizes only compare buffers (codes compare as
+    names do), so the renumbered transfers give the same schedule up to the renumbering
+    (``restore_buffers`` maps it back). Keyed by them, a step whose buffers a change upstream
+    renumbered (buffers are numbered program-wide) is not scheduled again."""
+    t = np.asarray(transfers)
+    if not len(t):
+        return t, np.zeros(0, np.int64)
+    codes, inverse = np.unique(np.concatenate([t[:, 1], t[:, 5]]), return_inverse=True)
+    ranked = _ranked_codes(len(codes)).astype(t.dtype)
+    out = np.array(t)
+    out[:, 1], out[:, 5] = ranked[inverse[:len(t)]], ranked[inverse[len(t):]]
+    return out, codes.astype(np.int64)
+
+
+def restore_buffers(schedule: dict, codes: np.ndarray) -> dict:
+    """A schedule of ``renumbered`` transfers with the buffers they stood for (``codes``)."""
+    g = scheduled(schedule)
+    ranked = _ranked_codes(len(codes))
+    heads, extra = g.heads.copy(), g.extra.copy()
+    for a, column in ((heads, 1), (heads, 5), (extra, 1)):
+        a[:, column] = codes[np.searchsorted(ranked, a[:, column])]
+    return {**schedule, **Groups(heads, extra, g.starts).as_fields()}
+
+
+def _ranked_codes(n: int) -> np.ndarray:
+    """The codes of ``g00000000``, ``g00000001``, ...: ``n`` of them, increasing."""
+    global _ranked
+    if len(_ranked) < n:
+        size = 1 << max(n - 1, 1).bit_length()
+        _ranked = buffer_codes([f"g{k:08d}" for k in range(size)])
+    return _ranked[:n]
+
+
+_ranked = np.zeros(0, np.int64)
+
+
 def no_schedule() -> dict:
     """The schedule of a step that exchanges nothing."""
     empty = Groups(np.zeros((0, 10), np.int64), np.zeros((0, 4), np.int64), np.zeros(1, np.int64))

@@ -61,9 +61,11 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
 
 def _step_table(transfers: np.ndarray, tiles: int) -> np.ndarray:
     """Per tile, the larger of the exchange tables one step's transfers may keep. Memoised by
-    the transfers' bytes: a search candidate shares most steps with its incumbent (on ViT-B/16
-    the grouping is 3.5 s of a candidate), and forked workers inherit the parent's."""
-    key = (canonical.digest(np.ascontiguousarray(transfers)), transfers.dtype.str, transfers.shape, tiles)
+    the bytes of the transfers ``renumbered``: a search candidate shares most steps with its
+    incumbent, up to the buffers' numbers (on ViT-B/16 the grouping is 3 s of a candidate), and
+    forked workers inherit the parent's."""
+    renamed, _ = exchange.renumbered(transfers)         # the same sizes whatever the buffers' numbers
+    key = (canonical.digest(np.ascontiguousarray(renamed)), renamed.dtype.str, renamed.shape, tiles)
     found = _step_tables.get(key)
     if found is None:
         entry = codegen.exchange_bytes(1, 0) - codegen.exchange_bytes(0, 0)
@@ -155,9 +157,11 @@ def schedule_provisional_exchanges(ctx):
         if not len(step["transfers"]):
             out.append(exchange.no_schedule())
             continue
-        transfers = ctx.engine.put(to_plan_blob(step["transfers"], ((),)), pin=True)
+        # renumbered: the same step after a change upstream (which renumbers buffers) is reused
+        canonical_transfers, codes = exchange.renumbered(step["transfers"])
+        transfers = ctx.engine.put(to_plan_blob(canonical_transfers, ((),)), pin=True)
         r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
-        sched = ctx.engine.decoded(r.outputs["schedule"])
+        sched = exchange.restore_buffers(ctx.engine.decoded(r.outputs["schedule"]), codes)
         if r.hit:
             log.info("reused exchange optimization after validating relocated rows", phase=s)
         else:
