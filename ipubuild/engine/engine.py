@@ -314,7 +314,7 @@ def _gc_paused():
     (programs, tables), which reference counting frees, and that the collector would otherwise
     traverse again and again (a third of a search candidate's time). When the last phase ends,
     what exists is frozen (``gc.freeze``): the values the engine keeps at hand for readers are
-    never traversed either (on ViT-B/16, 2 s of a candidate), and reference counting still
+    never traversed either (on ViT-B/16, 1.3 s of a candidate), and reference counting still
     frees them; only a reference cycle made during a phase outlives its last reference."""
     with _gc_lock:
         _gc_depth[0] += 1
