@@ -329,6 +329,43 @@ def test_a_long_task_at_a_pipe_says_how_far_it_is(monkeypatch):
         view.stop()
 
 
+def test_a_search_at_a_pipe_says_its_round_and_best_cycles(monkeypatch):
+    """At a pipe the search's rounds come as lines too (its candidates run in workers, whose
+    progress the console does not see): the round, the best cycles and what it measures; the
+    placement's work no longer shows once it has finished."""
+    import io
+
+    from ipubuild.engine import log as logmod
+    from ipubuild.ui.progress import PipeView
+
+    class Console:
+        real_stdout, total, done = io.StringIO(), 26, 6
+
+        def write_to(self, out, text):
+            out.write(text)
+
+    monkeypatch.setattr(logmod, "_PROGRESS_EVERY", 0.0)
+    monkeypatch.setattr(logmod.log, "level", 2)
+    view = PipeView(Console())
+    view.PROGRESS_EVERY = 0.0
+    try:
+        view.start("plan_package:big", {"rounds": 3})
+        for n in (0, 1472):
+            logmod.progress("tiles' storage placed", n, 1472)
+        logmod.log.info("validated search incumbent", cycles=1373051, resuming=False)
+        logmod.log.info("screened local search round", round=1, proposed=10)
+        logmod.log.info("evaluating ordered local candidates concurrently", candidates=3, threads=2)
+        logmod.log.info("accepted local layout improvement", attempt=2, before=1373051, after=1287449)
+        said = view.out.getvalue().splitlines()
+        assert said == ["  plan_package:big · tiles' storage placed 0/1,472 · 0 s",
+                        "  plan_package:big · tile mapping · best 1,373,051 cycles · 0 s",
+                        "  plan_package:big · round 1/3 · best 1,373,051 cycles · 0 s",
+                        "  plan_package:big · round 1/3 · best 1,373,051 cycles · measuring 3 candidates · 0 s",
+                        "  plan_package:big · round 1/3 · best 1,287,449 cycles (-6.2 %) · measuring 3 candidates · 0 s"], said
+    finally:
+        view.stop()
+
+
 def test_progress_lines_in_the_log_are_few():
     """``progress`` writes a line at most every few seconds per kind of work, and the last one."""
     from ipubuild.engine import log as logmod

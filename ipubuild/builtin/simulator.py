@@ -110,6 +110,7 @@ class Simulator:
                         kernel=f["kernel"], code=f["code"], reason=repr(f["reason"]))
                 for probe in probes.get(s, ()):
                     values[probe["name"]] = read_blocks(memory, row_of, probe)
+        progress("device steps", host["run"]["phases"], host["run"]["phases"])
         sync = machine["exchange"]["sync_cycles"]
         steps, total = [], 0
         for s in range(host["run"]["phases"]):

@@ -87,6 +87,12 @@ class Activity:
         return ", ".join(parts)
 
 
+SAYS_WHERE = ("progress", "validated search incumbent", "screened local search round",
+              "evaluating ordered local candidates concurrently", "measured local search round",
+              "accepted local layout improvement", "accepted tile mapping")
+"""The log events after which a task at a pipe may say where it is (``PipeView``)."""
+
+
 class PipeView:
     """One line per phase kind, when its first task finishes; and, while a task runs longer than
     ``PROGRESS_EVERY`` seconds, a line of how far it is every ``PROGRESS_EVERY`` seconds."""
@@ -108,11 +114,15 @@ class PipeView:
 
     def event(self, level: str, message: str, kv: dict) -> None:
         self.activity.event(level, message, kv)
-        # a long task says where it is, every PROGRESS_EVERY seconds at most
+        # a long task says where it is, every PROGRESS_EVERY seconds at most: its work, and a
+        # search its round and best cycles (its candidates run in workers, whose work it
+        # does not see: minutes at scale between a round's lines)
         now = time.perf_counter()
-        if message == "progress" and self.activity.work and now - max(self.started, self.said) >= self.PROGRESS_EVERY:
+        text = self.activity.now()
+        if (message in SAYS_WHERE and text and (message != "progress" or self.activity.work)
+                and now - max(self.started, self.said) >= self.PROGRESS_EVERY):
             self.said = now
-            self.print(f"  {self.name} · {self.activity.work} · {now - self.started:.0f} s\n")
+            self.print(f"  {self.name} · {text} · {now - self.started:.0f} s\n")
 
     def finish(self, name: str, meta: dict) -> None:
         if meta.get("kind") in self.kinds:

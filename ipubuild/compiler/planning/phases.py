@@ -119,6 +119,7 @@ def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
         out[tile] = {"code_bytes": code.get(tile, 0), "ranges": ranges,
                      "addresses": mem.allocate(bufs, ranges["available_ranges"], align, tile=int(tile),
                                                names=_BufferNames(bufs, program["names"]))}
+    progress("tiles' storage placed", len(program["buffers"]), len(program["buffers"]))
     return out
 
 
