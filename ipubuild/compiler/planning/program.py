@@ -248,7 +248,6 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     steps: list[dict] = []
     buffers: dict[int, dict[str, dict]] = {t: {} for t in range(tile_count)}
     stored: dict[str, Blocks] = defaultdict(Blocks)
-    refs: dict[str, list] = defaultdict(list)      # each stored block's buffer number, as stored[vk].items
     const_bufs: dict[tuple, tuple] = {}
     input_bufs: dict[tuple, tuple] = {}
     temps: dict[str, tuple] = {}
@@ -269,6 +268,17 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                 rows, cols, dtype = temps[vk]
                 info[vk] = rows, cols, {"f32": 4, "f16": 2}.get(dtype, 1), vk
         return info[vk]
+
+    def new_buf(tbufs, kind, blk, isz, start, record):
+        """A new buffer on a tile for ``blk`` (``record``'s keys after size, start and end):
+        its name and number."""
+        n = len(records)
+        bid = f"{kind}{n}"
+        tbufs[bid] = rec = {"size": (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz, "start": start, "end": start}
+        rec.update(record)
+        records.append(rec)
+        ends.append(start)
+        return bid, n
 
     kinds: dict[str, tuple] = {}                   # value key -> (item size, "c" | "i" | "g")
 
@@ -309,28 +319,15 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                         else:
                             found = gathered.get((tile, blk))
                             if found is None:
-                                n = len(records)
-                                bid = f"g{n}"
-                                records.append(record := {"size": (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz,
-                                                          "start": s, "end": s, "value": vk})
-                                ends.append(s)
-                                tbufs[bid] = record
-                                gathered[(tile, blk)] = found = (bid, n)
-                                gathers.append((vk, blk, tile, bid, isz, len(stored[vk].items)))
+                                gathered[(tile, blk)] = found = new_buf(tbufs, "g", blk, isz, s, {"value": vk})
+                                gathers.append((vk, blk, tile, found[0], isz, len(stored[vk].items)))
                             bid, n = found
                     else:
                         table = const_bufs if kind == "c" else input_bufs
                         found = table.get((tile, blk))
                         if found is None:
-                            n = len(records)
-                            bid = f"{kind}{n}"
-                            records.append(record := {"size": (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz,
-                                                      "start": 0, "end": 0})
-                            record["init" if kind == "c" else "input"] = list(blk)
-                            record["value"] = vk
-                            ends.append(0)
-                            tbufs[bid] = record
-                            table[(tile, blk)] = found = (bid, n)
+                            table[(tile, blk)] = found = new_buf(
+                                tbufs, kind, blk, isz, 0, {"init" if kind == "c" else "input": list(blk), "value": vk})
                         bid, n = found
                     if ends[n] < s:
                         ends[n] = s
@@ -343,14 +340,8 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                         n = int(bid[1:])
                     else:
                         isz = (kinds.get(vk) or kind_of(vk))[0]
-                        n = len(records)
-                        bid = f"o{n}"
-                        records.append(record := {"size": (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz,
-                                                  "start": s, "end": s, "value": vk, "block": list(blk[1:])})
-                        ends.append(s)
-                        tbufs[bid] = record
+                        bid, n = new_buf(tbufs, "o", blk, isz, s, {"value": vk, "block": list(blk[1:])})
                     stored[vk].add(tile, bid, blk[1:])
-                    refs[vk].append(n)
                     write_bufs.append(bid)
                 verts = vertices.get(tile_keys[tile])
                 if verts is None:
@@ -361,7 +352,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                                            if isinstance(a, tuple) else a for a in args]])
                 # which buffer holds each block written, and the vertices that wrote it (for read-back)
                 writes.extend([tile, bid, *blk, first, len(verts)] for bid, blk in zip(write_bufs, work.writes))
-            step["transfers"] = _gather(gathers, stored, refs, ends, s, vinfo)
+            step["transfers"] = _gather(gathers, stored, ends, s, vinfo)
             steps.append(step)
 
     end = len(steps)
@@ -407,12 +398,11 @@ def _casts_in_place(graph: Graph, op, consumers) -> bool:
             and src.id not in graph.outputs and src.id not in graph.inputs and src.id not in graph.constants)
 
 
-def _gather(gathers: list[tuple], stored: dict, refs: dict, ends: list, step: int, vinfo) -> np.ndarray:
+def _gather(gathers: list[tuple], stored: dict, ends: list, step: int, vinfo) -> np.ndarray:
     """The transfers of one step, as an array (rows: ``TRANSFER_FIELDS``, buffers as
     ``buffer_code``): for each gathered read block in turn, a transfer from every block stored
     before it that it overlaps (in the order they were stored), each the rows of their
-    intersection. Marks each source buffer live until ``step`` (``ends``, by buffer number;
-    ``refs[value]``: the number of each of its stored blocks' buffers)."""
+    intersection. Marks each source buffer live until ``step`` (``ends``, by buffer number)."""
     if not gathers:
         return no_transfers()
     by_value: dict[str, list[int]] = {}
@@ -445,9 +435,8 @@ def _gather(gathers: list[tuple], stored: dict, refs: dict, ends: list, step: in
                          ((ir0 - r[:, 0]) * (r[:, 3] - r[:, 2]) + (ic0 - r[:, 2])) * isz, (r[:, 3] - r[:, 2]) * isz,
                          ir1 - ir0, (ic1 - ic0) * isz], axis=1)
         parts.append((order, si, rows))
-        numbers = refs[vk]
         for i in np.unique(si).tolist():      # the sources live until this step
-            n = numbers[i]
+            n = int(src.items[i][1][1:])
             if ends[n] < step:
                 ends[n] = step
     order = np.concatenate([o for o, _, _ in parts])
