@@ -117,10 +117,10 @@ class PipeView:
         # a long task says where it is, every PROGRESS_EVERY seconds at most: its work, and a
         # search its round and best cycles (its candidates run in workers, whose work it
         # does not see: minutes at scale between a round's lines)
+        if message not in SAYS_WHERE or (message == "progress" and not self.activity.work):
+            return
         now = time.perf_counter()
-        text = self.activity.now()
-        if (message in SAYS_WHERE and text and (message != "progress" or self.activity.work)
-                and now - max(self.started, self.said) >= self.PROGRESS_EVERY):
+        if now - max(self.started, self.said) >= self.PROGRESS_EVERY and (text := self.activity.now()):
             self.said = now
             self.print(f"  {self.name} · {text} · {now - self.started:.0f} s\n")
 
