@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ipubuild.graph.program_buffers import buffers_of
 from ipubuild.engine import canonical
 from ipubuild.build.build import build_in_process
 from ipubuild.builtin.simulator import run_exchange
@@ -167,7 +168,7 @@ def test_inplace_cast_storage_saves_memory_and_passes(tmp_path, monkeypatch):
         ws = Workspace.at(tree)
         assert canonical.loads(ws.engine.fetch(out["small/verdict"]))["pass"]
         program = ws.engine.decoded(out["small/program"])
-        sizes[mode] = sum(b["size"] for bufs in program["buffers"].values() for b in bufs.values())
+        sizes[mode] = sum(b["size"] for bufs in buffers_of(program).values() for b in bufs.values())
     assert sizes["inplace"] < sizes["separate"]
 
 

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from ipubuild.graph.program_buffers import buffers_of
 from ipubuild import frontend, ir, plugins, targets
 from ipubuild.errors import UserError
 from ipubuild.compiler.machine import load_machine
@@ -146,10 +147,10 @@ def test_memory_overflow_through_the_pipeline(vit_program):
     m = _MSG.match(msg)
     assert m and "\n" not in msg, msg
     tile = m.group(1)
-    assert tile in vit_program["buffers"]
+    assert tile in buffers_of(vit_program)
     needed, free = int(m.group(3)), int(m.group(4))
     assert free < needed
-    sizes = [align_up(b["size"], 8) for b in vit_program["buffers"][tile].values()]
+    sizes = [align_up(b["size"], 8) for b in buffers_of(vit_program)[tile].values()]
     assert needed in sizes
     assert "tile_count" in msg
 
@@ -170,7 +171,7 @@ def test_code_overflow_through_the_pipeline(vit_program):
 
 def test_vit_allocation_respects_lifetimes(vit_program):
     placed = phases._allocate_all(vit_program, {}, MACHINE)
-    for tile, bufs in vit_program["buffers"].items():
+    for tile, bufs in buffers_of(vit_program).items():
         addrs = placed[tile]["addresses"]
         ranges = placed[tile]["ranges"]["available_ranges"]
         items = sorted(bufs.items())
@@ -532,7 +533,7 @@ def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
                 entries[str(t[0])].append([s, t[0], 0, t[3], t[4], 0, t[7], t[8], t[9],
                                            *[x for d in zip(t[10::4], t[12::4], t[13::4]) for x in (d[0], 0, d[2])]])
     broadcast = 0
-    for tile in program["buffers"]:
+    for tile in buffers_of(program):
         table = len(codegen.encode_exchange(entries.get(tile, [])))
         code = table + phases._program_size(program, tile, phases.kernels_per_tile(program).get(tile, []))
         assert bound[tile] >= code, tile

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from ipubuild.graph.program_buffers import buffers_of
 from ipubuild.engine import canonical
 from ipubuild.build.build import all_steps, build_in_process
 from ipubuild.ir import Graph
@@ -75,10 +76,10 @@ def test_vit_fp8_elementwise_operations_exchange_nothing(vit):
     follows."""
     g, program, layout = vit.graph, vit.json("program"), vit.json("layout")
     plans = plans_of(g, 64)
-    moved_by_step = {}
+    moved_by_step, buffers = {}, buffers_of(program)
     for step in program["steps"]:
         moved_by_step.setdefault(step["op"], set()).update(
-            program["buffers"][str(t[4])][t[5]]["value"] for t in exchange.transfer_lists(step["transfers"]))
+            buffers.record(t[4], t[5])["value"] for t in exchange.transfer_lists(step["transfers"]))
     checked = 0
     for op in g.ops:
         if registry().get(op.type).follows != "elements":

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ipubuild.graph.program_buffers import buffer_table, buffers_of
 from ipubuild.engine import canonical
 from ipubuild.build.build import all_steps
 from ipubuild.errors import UserError
@@ -96,14 +97,14 @@ def test_the_page_carries_the_charts_data(built):
     assert h["values"] == [steps[s]["compute"].get(str(t), 0) for t in tiles for s in range(len(steps))]
     # memory maps: every used tile, runs covering its SRAM; code and constants add up
     m = d["memory"]
-    assert [t["tile"] for t in m["tiles"]] == sorted(int(t) for t in program["buffers"])
+    assert [t["tile"] for t in m["tiles"]] == sorted(int(t) for t in buffers_of(program))
     for t in m["tiles"]:
         runs = t["runs"]
         assert sum(runs[1::2]) == m["end"] - m["base"]
         by = {k: sum(n for kind, n in zip(runs[::2], runs[1::2]) if KINDS[kind] == k) for k in KINDS}
         tile = str(t["tile"])
         assert by["code"] == storage[tile]["code_bytes"] == sizes[tile]["total"]
-        assert by["constants"] == sum(-(-b["size"] // 8) * 8 for bid, b in program["buffers"][tile].items()
+        assert by["constants"] == sum(-(-b["size"] // 8) * 8 for bid, b in buffers_of(program)[tile].items()
                                       if bid.startswith("c"))
         assert by["data"] + by["shared"] > 0 and by["free"] > 0
     # the search's convergence is its artifact
@@ -257,7 +258,7 @@ def test_a_device_reporting_only_totals_gets_the_cost_models_steps():
     cost = {"final_cycles": 1300, "final_exchange": 100, "lower_bound": 900,
             "steps": [{"name": "a", "exchange": 100, "compute": 300, "sync": 600}, {"name": "b", "exchange": 0,
                                                                                   "compute": 300, "sync": 0}]}
-    program = {"tile_count": 2, "names": {}, "buffers": {"0": {}, "1": {}},
+    program = {"tile_count": 2, "names": {}, "buffers": buffer_table([], [], 2),
                "steps": [{"name": "a", "transfers": []}, {"name": "b", "transfers": []}]}
     storage = {t: {"code_bytes": 0, "ranges": {}, "addresses": {}} for t in ("0", "1")}
     machine = {"clock_hz": 1_000_000_000, "memory": {"sram_base": 0, "sram_end": 64, "alignment": 8}}

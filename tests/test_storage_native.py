@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from ipubuild.graph.program_buffers import ProgramBuffers, buffer_table, buffers_of
 from ipubuild.compiler.planning import storage, storage_native
 from ipubuild.engine.errors import UserError
 
@@ -51,7 +52,7 @@ def test_a_real_programs_tiles_are_placed_as_the_python_loop():
     m = load_machine("ipu21")
     ranges = storage.tile_ranges(m, 30000)["available_ranges"]
     checked = 0
-    for tile, bufs in program["buffers"].items():
+    for tile, bufs in buffers_of(program).items():
         if bufs:
             align = m["memory"]["alignment"]
             assert storage._allocate(bufs, ranges, align, int(tile), None) == \
@@ -62,9 +63,10 @@ def test_a_real_programs_tiles_are_placed_as_the_python_loop():
 
 def test_headroom_is_the_largest_free_top_of_a_tiles_ranges():
     placed = {"0": {"ranges": {"available_ranges": [[0, 1000], [2000, 5000]]},
-                    "addresses": {"a": 0, "b": 100, "c": 2000}},
+                    "addresses": {"c3": 2000, "o1": 0, "o2": 100}},
               "1": {"ranges": {"available_ranges": [[0, 1000], [2000, 2600]]}, "addresses": {}}}
-    buffers = {"0": {"a": {"size": 100}, "b": {"size": 50}, "c": {"size": 2900}}}
+    buffers = ProgramBuffers(buffer_table([[0, "o", 100, 0, "v1", 0, 1, 0, 100], [0, "o", 50, 0, "v1", 1, 2, 0, 50],
+                                           [0, "c", 2900, 0, "v2", 0, 1, 0, 2900]], [1, 1, 1], 2))
     # tile 0: [0, 1000) used up to 156 (b's 50 bytes from 100 take 56), free from 160 (aligned);
     # [2000, 5000) up to 4904: the smaller range has the larger free top
     assert storage.headroom(placed, buffers, 8) == [1000 - 160, 1000]

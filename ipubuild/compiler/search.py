@@ -24,6 +24,7 @@ from typing import Callable
 
 from ..engine import canonical, executors
 from ..graph.artifacts import graph_of, machine_from, machine_of, to_json
+from ..graph.program_buffers import buffers_of
 from ..engine.engine import PHASES, MissingBlob, phase
 from ..engine.errors import UserError
 from ..engine.files import write_atomic
@@ -153,7 +154,7 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
         return {"invalid": str(exc)}
     cost = engine.decoded(artifacts["cost"])
     after = engine.stats
-    room = headroom(engine.decoded(artifacts["storage"]), engine.decoded(artifacts["program"])["buffers"],
+    room = headroom(engine.decoded(artifacts["storage"]), buffers_of(engine.decoded(artifacts["program"])),
                     machine_from(engine.fetch(artifacts["machine"]))["memory"]["alignment"])
     return {"cycles": cost["final_cycles"], "exchange": cost["final_exchange"], "headroom": room,
             "hits": after["hit"] - before["hit"], "misses": after["miss"] - before["miss"]}

@@ -103,6 +103,20 @@ def buffer_codes(names: list[str]) -> np.ndarray:
     return code
 
 
+def buffer_codes_of(kinds: np.ndarray, numbers: np.ndarray) -> np.ndarray:
+    """``buffer_code`` of the buffers named by a kind (an index into ``BUFFER_KINDS``) and a
+    number each, without making their names."""
+    numbers = np.asarray(numbers, dtype=np.int64)
+    if len(numbers) and (numbers.min() < 0 or numbers.max() >= 10 ** _DIGITS):
+        raise ValueError(f"a program numbers at most 10**{_DIGITS} buffers")
+    length = 1 + sum((numbers >= 10 ** k).astype(np.int64) for k in range(1, _DIGITS))
+    code = np.asarray(kinds, dtype=np.int64) * 11 ** _DIGITS
+    for p in range(_DIGITS):
+        digit = numbers // 10 ** np.maximum(length - 1 - p, 0) % 10
+        code += np.where(p < length, digit + 1, 0) * 11 ** (_DIGITS - 1 - p)
+    return code
+
+
 class PlanBlob(bytes):
     """A plan blob's bytes, remembering the value they encode (as ``canonical.Json``)."""
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..graph.artifacts import buffer_name, machine_of
+from ..graph.artifacts import buffer_name, buffer_names, machine_of
+from ..graph.program_buffers import CODE, SIZE, buffers_of
 from ..engine.engine import phase
 from ..engine.errors import UserError
 from .report_page import render
@@ -129,17 +130,19 @@ def memory_maps(program: dict, storage: dict, code_sizes: dict, machine: dict) -
     lo, hi, align = mem["sram_base"], mem["sram_end"], mem["alignment"]
     k = {name: i for i, name in enumerate(KINDS)}
     tiles = []
+    buffers = buffers_of(program)
     for tile in sorted(storage, key=int):
-        bufs, placed = program["buffers"].get(tile, {}), storage[tile]
-        if not bufs and not placed["code_bytes"]:
+        placed = storage[tile]
+        rows = buffers.rows(tile) if tile in buffers else buffers.table[:0]
+        if not len(rows) and not placed["code_bytes"]:
             continue
         r = placed["ranges"]
         code = (r["code_address"], r["code_end"])
         pieces = [(a, b, k["reserved"]) for a, b in _complement([*r["available_ranges"], code], lo, hi)]
         pieces.append((*code, k["code"]))
-        for bid, b in bufs.items():
+        for bid, size in zip(buffer_names(rows[:, CODE]), rows[:, SIZE].tolist()):
             addr = placed["addresses"][bid]
-            pieces.append((addr, addr + -(-max(b["size"], 1) // align) * align, k[_BUFFER_KIND[bid[0]]]))
+            pieces.append((addr, addr + -(-max(size, 1) // align) * align, k[_BUFFER_KIND[bid[0]]]))
         sizes = code_sizes.get(tile, {})
         tiles.append({"tile": int(tile), "runs": _runs(pieces, lo, hi),
                       "code": [sizes.get("kernel_bytes", 0), sizes.get("program_bytes", 0),
@@ -158,6 +161,7 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
     the steps that move the most bytes, with their busiest sending and receiving tiles (the
     busiest port bounds an exchange phase)."""
     values: dict[tuple, str] = {}
+    buffers = buffers_of(program)
     per_step, steps, best, count = [], [], [], 0
     for s, step in enumerate(program["steps"]):
         t = np.asarray(step["transfers"], dtype=np.int64).reshape(-1, 10)
@@ -176,7 +180,7 @@ def top_exchanges(program: dict, limit: int = TOP_EXCHANGES) -> dict:
         for src, code in sources.tolist():
             if (src, code) not in values:
                 name = buffer_name(code)
-                v = program["buffers"][str(src)][name].get("value", name)
+                v = buffers.record(src, name).get("value", name)
                 values[src, code] = program["names"].get(v, v)
             names.append(values[src, code])
         vnames, value_ids = np.unique(np.array(names, dtype=object), return_inverse=True)

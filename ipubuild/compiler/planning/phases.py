@@ -14,6 +14,7 @@ import numpy as np
 from ...graph import tensors
 from ...graph.artifacts import graph_of, machine_of, params_of, to_json as _json
 from ...graph.artifacts import to_plan_blob, to_plan_json as _plan
+from ...graph.program_buffers import buffers_of
 from ...engine import canonical
 from ...engine.engine import phase
 from ...engine.executors import run_phases
@@ -56,7 +57,7 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     by_tile = _steps_by_tile(program)
     return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
             + table[int(tile)] + _program_size(program, tile, per_tile.get(tile, []), by_tile)
-            for tile in program["buffers"]}
+            for tile in map(str, range(tiles))}
 
 
 def _step_table(transfers: np.ndarray, tiles: int) -> np.ndarray:
@@ -108,8 +109,9 @@ def _program_size(program, tile, kernels, by_tile=None):
 def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
     out = {}
     align = machine["memory"]["alignment"]
-    for n, (tile, bufs) in enumerate(program["buffers"].items()):
-        progress("tiles' storage placed", n, len(program["buffers"]))
+    buffers = buffers_of(program)
+    for n, tile in enumerate(buffers):
+        progress("tiles' storage placed", n, len(buffers))
         ranges = mem.tile_ranges(machine, code.get(tile, 0))
         if ranges["code_end"] > machine["memory"]["executable_end"]:
             from ...engine.errors import UserError
@@ -117,20 +119,24 @@ def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
                             f"executable region holds {machine['memory']['executable_end'] - ranges['code_address']}; "
                             "raise target.tile_count")
         out[tile] = {"code_bytes": code.get(tile, 0), "ranges": ranges,
-                     "addresses": mem.allocate(bufs, ranges["available_ranges"], align, tile=int(tile),
-                                               names=_BufferNames(bufs, program["names"]))}
-    progress("tiles' storage placed", len(program["buffers"]), len(program["buffers"]))
+                     "addresses": mem.allocate_rows(buffers.rows(tile), ranges["available_ranges"], align,
+                                                    tile=int(tile), names=_BufferNames(buffers, tile, program["names"]))}
+    progress("tiles' storage placed", len(buffers), len(buffers))
     return out
 
 
 class _BufferNames:
     """Buffer id -> the name of the tensor it holds (for error messages; looked up lazily)."""
 
-    def __init__(self, buffers: dict, names: dict):
-        self.buffers, self.names = buffers, names
+    def __init__(self, buffers, tile: str, names: dict):
+        self.buffers, self.tile, self.names = buffers, tile, names
 
     def get(self, bid, default=None):
-        return self.names.get(self.buffers.get(bid, {}).get("value"), default)
+        try:
+            value = self.buffers.record(self.tile, bid)["value"]
+        except KeyError:
+            return default
+        return self.names.get(value, default)
 
 
 @phase("place_provisional_storage", inputs=("graph", "layout", "machine", "reservations"),
@@ -221,7 +227,7 @@ def size_tile_code(ctx):
     entries, dests = entries.tolist(), dests.tolist()
     out = {}
     by_tile = _steps_by_tile(program)
-    for tile in program["buffers"]:
+    for tile in map(str, range(tiles)):
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
         prog = _program_size(program, tile, kernels, by_tile)
         xch = codegen.exchange_bytes(entries[int(tile)], dests[int(tile)])
@@ -288,12 +294,13 @@ def prepare_tile_code(ctx):
     program, placed, link, sizes = ctx.json("program"), ctx.json("storage"), ctx.json("link_map"), ctx.json("code_sizes")
     addresses = {t: v["addresses"] for t, v in placed.items()}
     consts, _ = params_of(ctx, g)
-    sends: dict[str, list] = {t: [] for t in program["buffers"]}
+    buffers = buffers_of(program)
+    sends: dict[str, list] = {t: [] for t in buffers}
     for s, table in enumerate(ctx.json("placed_exchanges")):
         for e in exchange.Groups.from_fields(table).entry_lists():
             sends[str(e[0])].append([s] + e)
     out = {}
-    for tile, bufs in program["buffers"].items():
+    for tile, bufs in buffers.items():
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
         addr = addresses[tile]
         steps = []

@@ -14,6 +14,7 @@ import numpy as np
 from ...engine.errors import UserError
 from ...graph.artifacts import buffer_codes, to_plan_blob
 from ...graph.ir import Graph
+from ...graph.program_buffers import buffer_table
 from ...graph.operators import key, registry
 
 
@@ -241,20 +242,21 @@ def work_of(graph: Graph) -> list[dict]:
 
 def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     """The program of ``layout``. Its inner loop runs once per buffer read or written (1.4 M on
-    ViT-B/16, in every search candidate): buffers' last steps are kept in a list by buffer
-    number and written into their records once, at the end."""
+    ViT-B/16, in every search candidate): buffers are rows of columns, their last steps a list by
+    buffer number, made into the buffer table once, at the end."""
     resolver = PlanResolver.of(graph, tile_count)
     resolved = resolver.resolve(layout)
     steps: list[dict] = []
-    buffers: dict[int, dict[str, dict]] = {t: {} for t in range(tile_count)}
     stored: dict[str, Blocks] = defaultdict(Blocks)
     const_bufs: dict[tuple, tuple] = {}
     input_bufs: dict[tuple, tuple] = {}
     temps: dict[str, tuple] = {}
     inputs, constants = set(graph.inputs), set(graph.constants)
     consumers = graph.consumers()
-    records: list[dict] = [None]                   # buffer number -> its record (numbers from 1)
-    ends: list[int] = [0]                          # buffer number -> the last step that uses it
+    # buffer number -> its row of the buffer table (numbers from 1): tile, kind, size, start,
+    # value, block; and the last step that uses it
+    columns: list[list] = [[0, "g", 0, 0, "", 0, 0, 0, 0]]
+    ends: list[int] = [0]
     tile_keys = [str(t) for t in range(tile_count)]
 
     info: dict[str, tuple] = {}
@@ -269,16 +271,12 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                 info[vk] = rows, cols, {"f32": 4, "f16": 2}.get(dtype, 1), vk
         return info[vk]
 
-    def new_buf(tbufs, kind, blk, isz, start, record):
-        """A new buffer on a tile for ``blk`` (``record``'s keys after size, start and end):
-        its name and number."""
-        n = len(records)
-        bid = f"{kind}{n}"
-        tbufs[bid] = rec = {"size": (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz, "start": start, "end": start}
-        rec.update(record)
-        records.append(rec)
+    def new_buf(tile, kind, blk, isz, start):
+        """A new buffer on ``tile`` for ``blk`` (``(value, r0, r1, c0, c1)``): its name and number."""
+        n = len(columns)
+        columns.append([tile, kind, (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz, start, *blk])
         ends.append(start)
-        return bid, n
+        return f"{kind}{n}", n
 
     kinds: dict[str, tuple] = {}                   # value key -> (item size, "c" | "i" | "g")
 
@@ -307,7 +305,6 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                     raise UserError(f"operation {op.name}", f"its plan {resolver.plans[op.id][choice[0]]} needs tile "
                                     f"{work.tile} but the target has {tile_count}; raise target.tile_count")
                 tile = (offset + work.tile) % tile_count
-                tbufs = buffers[tile]
                 read_bufs = []
                 for blk in work.reads:
                     vk = blk[0]
@@ -319,15 +316,14 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                         else:
                             found = gathered.get((tile, blk))
                             if found is None:
-                                gathered[(tile, blk)] = found = new_buf(tbufs, "g", blk, isz, s, {"value": vk})
+                                gathered[(tile, blk)] = found = new_buf(tile, "g", blk, isz, s)
                                 gathers.append((vk, blk, tile, found[0], isz, len(stored[vk].items)))
                             bid, n = found
                     else:
                         table = const_bufs if kind == "c" else input_bufs
                         found = table.get((tile, blk))
                         if found is None:
-                            table[(tile, blk)] = found = new_buf(
-                                tbufs, kind, blk, isz, 0, {"init" if kind == "c" else "input": list(blk), "value": vk})
+                            table[(tile, blk)] = found = new_buf(tile, kind, blk, isz, 0)
                         bid, n = found
                     if ends[n] < s:
                         ends[n] = s
@@ -340,7 +336,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                         n = int(bid[1:])
                     else:
                         isz = (kinds.get(vk) or kind_of(vk))[0]
-                        bid, n = new_buf(tbufs, "o", blk, isz, s, {"value": vk, "block": list(blk[1:])})
+                        bid, n = new_buf(tile, "o", blk, isz, s)
                     stored[vk].add(tile, bid, blk[1:])
                     write_bufs.append(bid)
                 verts = vertices.get(tile_keys[tile])
@@ -356,15 +352,15 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
             steps.append(step)
 
     end = len(steps)
-    for n, record in enumerate(records):
-        if n:
-            record["end"] = end if "init" in record else ends[n]   # constants persist across runs
+    for n, row in enumerate(columns):
+        if row[1] == "c":
+            ends[n] = end                                   # constants persist across runs
     outputs = []
     for vid in graph.outputs:
         v = graph.values[vid]
         ranges = []
         for tile, bid, (r0, r1, c0, c1) in stored[f"v{vid}"].items:
-            buffers[tile][bid]["end"] = end
+            ends[int(bid[1:])] = end
             ranges.append([tile, bid, r0, r1, c0, c1])
         outputs.append({"value": vid, "name": v.name, "ranges": sorted(ranges)})
     in_ranges = defaultdict(list)
@@ -373,7 +369,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     return {
         "tile_count": tile_count,
         "steps": steps,
-        "buffers": {str(t): dict(sorted(b.items())) for t, b in sorted(buffers.items())},
+        "buffers": buffer_table(columns[1:], ends[1:], tile_count),
         "inputs": [{"value": vid, "name": graph.values[vid].name, "ranges": in_ranges[vid]}
                    for vid in graph.inputs],
         "outputs": outputs,
@@ -383,8 +379,9 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
 
 
 def program_blob(program: dict) -> bytes:
-    """The ``program`` artifact: its steps' transfers as arrays (``to_plan_blob``), the rest JSON."""
-    return to_plan_blob(program, (("steps", "*", "transfers"),))
+    """The ``program`` artifact: its steps' transfers and its buffer table as arrays
+    (``to_plan_blob``), the rest JSON."""
+    return to_plan_blob(program, (("steps", "*", "transfers"), ("buffers", "table")))
 
 
 def _casts_in_place(graph: Graph, op, consumers) -> bool:
@@ -447,7 +444,7 @@ def _gather(gathers: list[tuple], stored: dict, ends: list, step: int, vinfo) ->
 
 def kernels_per_tile(program: dict) -> dict[str, list[str]]:
     """The kernel variants each tile runs (every tile of the target, possibly none)."""
-    out: dict[str, set] = {t: set() for t in program["buffers"]}
+    out: dict[str, set] = {str(t): set() for t in range(program["tile_count"])}
     for step in program["steps"]:
         for tile, verts in step["vertices"].items():
             out[tile].update(k for k, _ in verts)

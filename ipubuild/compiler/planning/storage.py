@@ -12,7 +12,9 @@ import bisect
 import numpy as np
 
 from ...engine.errors import UserError
-from ...graph.artifacts import buffer_codes
+from ...engine import canonical
+from ...graph.artifacts import buffer_codes, buffer_names
+from ...graph.program_buffers import CODE, SIZE, START, END
 from . import storage_native
 
 
@@ -39,12 +41,20 @@ def tile_ranges(machine: dict, code_bytes: int) -> dict:
 def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, names=None) -> dict[str, int]:
     """Addresses for ``{id: {"size", "start", "end"}}`` (first fit, earliest-born first; buffers
     live at the same time never share bytes). ``names`` (buffer id -> tensor name) is used for
-    the error message only. Memoised: a search candidate re-plans few tiles."""
-    key = (tuple((b, v["size"], v["start"], v["end"]) for b, v in buffers.items()),
-           tuple(map(tuple, ranges)), alignment)
+    the error message only."""
+    return _allocate(buffers, ranges, alignment, tile, names)
+
+
+def allocate_rows(rows: np.ndarray, ranges, alignment: int, *, tile: int, names=None) -> dict[str, int]:
+    """``allocate`` for one tile's rows of a program's buffer table (``program_buffers``),
+    by buffer name. Memoised by the rows' names, sizes and lifetimes: a search candidate
+    re-plans few tiles."""
+    columns = np.ascontiguousarray(rows[:, [CODE, SIZE, START, END]], dtype=np.int64)
+    key = (canonical.digest(columns), tuple(map(tuple, ranges)), alignment)
     found = _memo.get(key)
     if found is None:
-        found = _allocate(buffers, ranges, alignment, tile, names)
+        codes, size, start, end = columns.T
+        found = _place(buffer_names(codes), codes, size, start, end, ranges, alignment, tile, names)
         if len(_memo) > 8192:
             _memo.clear()
         _memo[key] = found
@@ -55,16 +65,23 @@ _memo: dict = {}
 
 
 def _allocate(buffers, ranges, alignment, tile, names) -> dict[str, int]:
+    bids = list(buffers)
+    size, start, end = (np.array([buffers[b][k] for b in bids], dtype=np.int64).reshape(-1)
+                        for k in ("size", "start", "end"))
+    try:
+        codes = buffer_codes(bids)
+    except ValueError:                       # names that are not a program's: placed as names sort
+        codes = None
+    return _place(bids, codes, size, start, end, ranges, alignment, tile, names)
+
+
+def _place(bids, codes, size, start, end, ranges, alignment, tile, names) -> dict[str, int]:
     """First fit, in C where it compiles (``storage_native``); the Python loop otherwise, and to
-    say why a buffer does not fit."""
-    if storage_native.library() is not None and buffers:
-        bids = list(buffers)
-        size = np.array([buffers[b]["size"] for b in bids], dtype=np.int64)
-        start = np.array([buffers[b]["start"] for b in bids], dtype=np.int64)
-        end = np.array([buffers[b]["end"] for b in bids], dtype=np.int64)
-        try:
-            order = np.lexsort((buffer_codes(bids), -size, start))
-        except ValueError:                   # names that are not a program's: sort them as names
+    say why a buffer does not fit. ``codes``: the names' ``buffer_code``, or None."""
+    if storage_native.library() is not None and bids:
+        if codes is not None:
+            order = np.lexsort((codes, -size, start))
+        else:
             order = np.array(sorted(range(len(bids)), key=lambda i: (start[i], -size[i], bids[i])), dtype=np.int64)
         aligned = -(-np.maximum(size[order], 1) // alignment) * alignment
         try:
@@ -73,7 +90,9 @@ def _allocate(buffers, ranges, alignment, tile, names) -> dict[str, int]:
             addr = None
         if addr is not None:
             return dict(sorted(zip([bids[i] for i in order.tolist()], addr.tolist())))
-    return _allocate_python(buffers, ranges, alignment, tile, names)
+    records = {b: {"size": int(z), "start": int(a), "end": int(e)}
+               for b, z, a, e in zip(bids, size.tolist(), start.tolist(), end.tolist())}
+    return _allocate_python(records, ranges, alignment, tile, names)
 
 
 def _allocate_python(buffers, ranges, alignment, tile, names) -> dict[str, int]:
@@ -123,17 +142,20 @@ def _largest_gap(live, ranges, alignment):
     return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, alignment)), default=0)
 
 
-def headroom(placed: dict, buffers: dict, alignment: int) -> list[int]:
+def headroom(placed: dict, buffers, alignment: int) -> list[int]:
     """Per tile (tile order), the data memory no buffer of a placement ever uses: the largest
     of its ranges' free tops (above the last buffer placed in the range). ``placed`` is a
-    ``storage`` artifact (``{tile: {"ranges", "addresses"}}``), ``buffers`` its program's. One
+    ``storage`` artifact (``{tile: {"ranges", "addresses"}}``, addresses by buffer name),
+    ``buffers`` its program's (``program_buffers.ProgramBuffers``, rows by name too). One
     more buffer placed there fits beside the placement, whatever else is live; a changed layout
     is placed again by first fit, so for it this is an estimate of its room, not a bound."""
     out = [0] * len(placed)
     for tile, p in placed.items():
-        addresses, bufs = p["addresses"], buffers.get(tile, {})
+        addresses, rows = p["addresses"], buffers.rows(tile)
+        if len(rows) != len(addresses):
+            raise ValueError(f"tile {tile}: the placement has {len(addresses)} buffers, the program {len(rows)}")
         start = np.fromiter(addresses.values(), np.int64, len(addresses))
-        size = np.fromiter((bufs[b]["size"] for b in addresses), np.int64, len(addresses))
+        size = rows[:, SIZE].astype(np.int64)
         end = start + -(-np.maximum(size, 1) // alignment) * alignment
         best = 0
         for lo, hi in p["ranges"]["available_ranges"]:

@@ -1,0 +1,108 @@
+"""A program's buffers as one int32 table, a row per buffer: what the ``program`` artifact holds
+under ``"buffers"`` (``{"tile_count", "values", "table"}``), read through ``ProgramBuffers``.
+
+A row is ``COLUMNS``: its tile, its name as ``artifacts.buffer_code``, its size in bytes, the
+first and last program step it lives in, the value it holds (an index into ``values``) and the
+block of that value (rows ``r0:r1``, columns ``c0:c1``). Rows are sorted by tile, then by name.
+ViT-B/16's initial program has 470 K buffers: as JSON records they were 65 % of its decoded
+skeleton (466 MB of heap; 177 MB with the table); as a table they are 40 bytes each, and the
+passes that read them all (storage placement, head room) read rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from .artifacts import _DIGITS, BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_names
+
+COLUMNS = ("tile", "code", "size", "start", "end", "value", "r0", "r1", "c0", "c1")
+TILE, CODE, SIZE, START, END, VALUE = range(6)
+_KIND_BASE = 11 ** _DIGITS              # a buffer_code is its kind times this, plus its digits
+
+
+def buffer_table(columns: list[list], ends: list[int], tile_count: int) -> dict:
+    """The ``program["buffers"]`` entry of buffers numbered 1, 2, … : ``columns[n - 1]`` is
+    buffer n's ``[tile, kind letter, size, first step, value, r0, r1, c0, c1]`` (its block of
+    the value), ``ends[n - 1]`` its last step."""
+    if not columns:
+        return {"tile_count": tile_count, "values": [], "table": np.zeros((0, len(COLUMNS)), np.int32)}
+    tile, kind, size, start, value, r0, r1, c0, c1 = zip(*columns)
+    values = sorted(set(value))
+    index = {v: i for i, v in enumerate(values)}
+    kinds = np.searchsorted(np.frombuffer(BUFFER_KINDS.encode(), np.uint8),
+                            np.frombuffer("".join(kind).encode(), np.uint8))
+    table = np.stack([np.array(tile, np.int64), buffer_codes_of(kinds, np.arange(1, len(columns) + 1)),
+                      np.array(size, np.int64), np.array(start, np.int64), np.array(ends, np.int64),
+                      np.array([index[v] for v in value], np.int64),
+                      np.array(r0, np.int64), np.array(r1, np.int64), np.array(c0, np.int64), np.array(c1, np.int64)],
+                     axis=1)
+    table = table[np.lexsort((table[:, CODE], table[:, TILE]))]
+    if table.max() > np.iinfo(np.int32).max or table.min() < 0:
+        raise ValueError("a buffer's size, steps or block do not fit the program's int32 buffer table")
+    return {"tile_count": tile_count, "values": values, "table": np.ascontiguousarray(table, dtype=np.int32)}
+
+
+class ProgramBuffers(Mapping):
+    """``program["buffers"]`` read as ``{tile: {buffer name: record}}`` (tiles as ``"0"``, ``"1"``,
+    …, every tile of the target), each tile's dict made when it is asked for; and by rows
+    (``rows``, ``names``) for passes over many buffers."""
+
+    def __init__(self, entry: dict):
+        self.table = np.asarray(entry["table"]).reshape(-1, len(COLUMNS))
+        self.value_keys = entry["values"]
+        self.tile_count = entry["tile_count"]
+        self._bounds = np.searchsorted(self.table[:, TILE], np.arange(self.tile_count + 1)).tolist()
+
+    def __len__(self) -> int:
+        return self.tile_count
+
+    def __iter__(self):
+        return (str(t) for t in range(self.tile_count))
+
+    def __contains__(self, tile) -> bool:
+        return str(tile).isdigit() and int(tile) < self.tile_count
+
+    def rows(self, tile) -> np.ndarray:
+        """The table's rows of one tile, by name."""
+        t = int(tile)
+        if not 0 <= t < self.tile_count:
+            raise KeyError(tile)
+        return self.table[self._bounds[t]:self._bounds[t + 1]]
+
+    def names(self, tile) -> list[str]:
+        """The names of one tile's buffers, in order."""
+        return buffer_names(self.rows(tile)[:, CODE])
+
+    def __getitem__(self, tile) -> dict[str, dict]:
+        if tile not in self:
+            raise KeyError(tile)
+        rows = self.rows(tile)
+        return dict(zip(buffer_names(rows[:, CODE]), map(self._record, rows.tolist())))
+
+    def record(self, tile, bid: str) -> dict:
+        """One buffer's record, found by binary search (KeyError if the tile has no such buffer)."""
+        rows, code = self.rows(tile), int(buffer_codes([bid])[0])
+        i = int(np.searchsorted(rows[:, CODE], code))
+        if i == len(rows) or rows[i, CODE] != code:
+            raise KeyError(bid)
+        return self._record(rows[i].tolist())
+
+    def _record(self, row: list) -> dict:
+        _, code, size, start, end, value, r0, r1, c0, c1 = row
+        vk, rec = self.value_keys[value], {"size": size, "start": start, "end": end}
+        kind = BUFFER_KINDS[code // _KIND_BASE]
+        if kind == "c":
+            rec.update(init=[vk, r0, r1, c0, c1], value=vk)
+        elif kind == "i":
+            rec.update(input=[vk, r0, r1, c0, c1], value=vk)
+        elif kind == "o":
+            rec.update(value=vk, block=[r0, r1, c0, c1])
+        else:
+            rec["value"] = vk
+        return rec
+
+
+def buffers_of(program: dict) -> ProgramBuffers:
+    """A program's buffers (``program["buffers"]``), as ``ProgramBuffers``."""
+    return ProgramBuffers(program["buffers"])
