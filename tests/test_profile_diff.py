@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from ipubuild.compiler.planning import exchange
+from ipubuild.graph.program_buffers import buffer_table
 from ipubuild.ui import profile_diff
 from ipubuild.ui.report import top_exchanges
 
@@ -59,10 +60,11 @@ def test_a_rewritten_profile_keeps_the_one_it_replaces(tmp_path):
 
 
 def test_the_largest_exchanges_are_between_tiles():
-    program = {"names": {}, "buffers": {"0": {"o1": {"value": "a"}}, "1": {"o2": {"value": "b"}}},
+    program = {"names": {"a": "x.out"}, "buffers": buffer_table([[0, "o", 6400, 0, "a", 0, 100, 0, 64],     # o1
+                                                     [1, "o", 16, 0, "b", 0, 1, 0, 16]], [0, 0], 2),
                "steps": [{"name": "x", "transfers": exchange.transfer_array(
                    [[0, "o1", 0, 0, 0, "o1", 0, 0, 100, 64],      # on-tile copy
                     [0, "o1", 0, 0, 1, "o2", 0, 0, 1, 16]])}]}
     x = top_exchanges(program)
-    assert [(e["from"], e["to"]) for e in x["top"]] == [(0, 1)]
+    assert [(e["from"], e["to"], e["value"]) for e in x["top"]] == [(0, 1, "x.out")]
     assert x["total_bytes"] == 100 * 64 + 16

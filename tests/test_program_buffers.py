@@ -74,6 +74,21 @@ def test_records_say_what_each_kind_of_buffer_holds(program):
         buffers["64"]
 
 
+def test_a_buffer_lives_through_every_step_that_reads_or_sends_it(program):
+    buffers = buffers_of(program)
+    used = []                                              # (tile, buffer, step)
+    for s, step in enumerate(program["steps"]):
+        for tile, verts in step["vertices"].items():
+            used += [(tile, a[1], s) for _, args in verts for a in args if isinstance(a, list)]
+        t = np.asarray(step["transfers"]).reshape(-1, 10)
+        for tile, code in set(map(tuple, t[:, [0, 1]].tolist())):
+            used.append((str(tile), buffers.names(tile)[int(np.searchsorted(buffers.rows(tile)[:, 1], code))], s))
+    assert any(bid[0] == "o" for _, bid, _ in used) and any(bid[0] == "g" for _, bid, _ in used)
+    for tile, bid, s in used:
+        rec = buffers.record(tile, bid)
+        assert rec["start"] <= s <= rec["end"], (tile, bid, s, rec)
+
+
 def test_the_program_artifact_carries_its_buffers_as_one_array(program):
     decoded = from_plan_blob(bytes(program_blob(program)))
     table = decoded["buffers"]["table"]

@@ -25,22 +25,40 @@ def buffer_table(columns: list[list], ends: list[int], tile_count: int) -> dict:
     """The ``program["buffers"]`` entry of buffers numbered 1, 2, … : ``columns[n - 1]`` is
     buffer n's ``[tile, kind letter, size, first step, value, r0, r1, c0, c1]`` (its block of
     the value), ``ends[n - 1]`` its last step."""
-    if not columns:
-        return {"tile_count": tile_count, "values": [], "table": np.zeros((0, len(COLUMNS)), np.int32)}
-    tile, kind, size, start, value, r0, r1, c0, c1 = zip(*columns)
-    values = sorted(set(value))
+    values = sorted({c[4] for c in columns})
     index = {v: i for i, v in enumerate(values)}
-    kinds = np.searchsorted(np.frombuffer(BUFFER_KINDS.encode(), np.uint8),
-                            np.frombuffer("".join(kind).encode(), np.uint8))
-    table = np.stack([np.array(tile, np.int64), buffer_codes_of(kinds, np.arange(1, len(columns) + 1)),
-                      np.array(size, np.int64), np.array(start, np.int64), np.array(ends, np.int64),
-                      np.array([index[v] for v in value], np.int64),
-                      np.array(r0, np.int64), np.array(r1, np.int64), np.array(c0, np.int64), np.array(c1, np.int64)],
-                     axis=1)
+    rows = np.array([[c[0], BUFFER_KINDS.index(c[1]), c[2], c[3], index[c[4]], *c[5:]] for c in columns],
+                    dtype=np.int64).reshape(-1, ROW_FIELDS)
+    return table_of_rows(rows, np.asarray(ends, dtype=np.int64), values, tile_count)
+
+
+#: the fields of a buffer as ``table_of_rows`` takes them (the value as a number, the kind as an
+#: index into ``BUFFER_KINDS``), before it has a name and a last step
+ROW_FIELDS = len(("tile", "kind", "size", "start", "value", "r0", "r1", "c0", "c1"))
+
+
+def table_of_rows(rows: np.ndarray, ends: np.ndarray, value_keys: list[str], tile_count: int) -> dict:
+    """The ``program["buffers"]`` entry of buffers numbered 1, 2, … : ``rows[n - 1]`` is
+    buffer n's ``[tile, kind, size, first step, value, r0, r1, c0, c1]`` (``kind`` an index
+    into ``BUFFER_KINDS``, ``value`` into ``value_keys``), ``ends[n - 1]`` its last step.
+    The table's values are those its rows name, sorted."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_FIELDS)
+    used = np.unique(rows[:, 4])
+    names = [value_keys[i] for i in used.tolist()]
+    order = sorted(range(len(names)), key=names.__getitem__)
+    rank = np.zeros(len(value_keys) if len(used) else 0, np.int64)
+    rank[used[order]] = np.arange(len(order))
+    table = np.empty((len(rows), len(COLUMNS)), np.int64)
+    table[:, TILE] = rows[:, 0]
+    table[:, CODE] = buffer_codes_of(rows[:, 1], np.arange(1, len(rows) + 1))
+    table[:, SIZE], table[:, START], table[:, END] = rows[:, 2], rows[:, 3], ends
+    table[:, VALUE] = rank[rows[:, 4]]
+    table[:, VALUE + 1:] = rows[:, 5:]
     table = table[np.lexsort((table[:, CODE], table[:, TILE]))]
-    if table.max() > np.iinfo(np.int32).max or table.min() < 0:
+    if len(table) and (table.max() > np.iinfo(np.int32).max or table.min() < 0):
         raise ValueError("a buffer's size, steps or block do not fit the program's int32 buffer table")
-    return {"tile_count": tile_count, "values": values, "table": np.ascontiguousarray(table, dtype=np.int32)}
+    return {"tile_count": tile_count, "values": [names[i] for i in order],
+            "table": np.ascontiguousarray(table, dtype=np.int32)}
 
 
 class ProgramBuffers(Mapping):

@@ -7,14 +7,16 @@ lifetime in steps; constants are initialised by the tile image, graph inputs wri
 """
 from __future__ import annotations
 
+import itertools
+from array import array
 from collections import defaultdict
 
 import numpy as np
 
 from ...engine.errors import UserError
-from ...graph.artifacts import buffer_codes, to_plan_blob
+from ...graph.artifacts import BUFFER_KINDS, buffer_codes, to_plan_blob
 from ...graph.ir import Graph
-from ...graph.program_buffers import buffer_table
+from ...graph.program_buffers import ROW_FIELDS, table_of_rows
 from ...graph.operators import key, registry
 
 
@@ -57,6 +59,15 @@ class Blocks:
             self.items.append((tile, buf, blk))
             self._exact.setdefault((tile, blk), buf)
         self._arr = self._tiles = self._grid = self._keys = None
+
+    def prefix(self, count: int) -> "Blocks":
+        """A copy holding the first ``count`` blocks stored."""
+        out = Blocks()
+        out.items = self.items[:count]
+        out._codes = self._codes[:count]
+        for tile, buf, blk in out.items:
+            out._exact.setdefault((tile, blk), buf)
+        return out
 
     def exact(self, tile, blk):
         return self._exact.get((tile, tuple(blk)))
@@ -159,6 +170,9 @@ class PlanResolver:
         self.producer = graph.producer()
         self._plan: dict = {}
         self._lowered: dict = {}
+        self.builds: list = []                  # build_program's last builds (``_Build``)
+        self.value_ids: dict[str, int] = {}     # value key -> its number in the builds' buffer rows
+        self.value_keys: list[str] = []
 
     @classmethod
     def of(cls, graph: Graph, tile_count: int) -> "PlanResolver":
@@ -240,24 +254,64 @@ def work_of(graph: Graph) -> list[dict]:
     return out
 
 
-def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
+class _Build:
+    """What ``build_program`` made of one layout, kept by the ``PlanResolver`` so that the next
+    layout resumes where the two first differ: the operations before that are lowered the same,
+    into the same steps, buffers and numbers (a search candidate changes one or two operations;
+    on ViT-B/16 the program is most of a candidate's time). ``marks[i]``: the lengths of what
+    was made before operation ``i`` (steps, buffer rows, constant and input buffers, each
+    value's stored blocks)."""
+
+    def __init__(self, resolved: list, steps, rows, uses, use_ends, stored, const_bufs, input_bufs, marks):
+        self.resolved, self.steps, self.rows, self.uses, self.use_ends = resolved, steps, rows, uses, use_ends
+        self.stored, self.const_bufs, self.input_bufs, self.marks = stored, const_bufs, input_bufs, marks
+
+    def common(self, resolved: list) -> int:
+        """How many leading operations ``resolved`` (choices and offsets in program order)
+        shares with this build."""
+        for i, (a, b) in enumerate(zip(self.resolved, resolved)):
+            if a != b:
+                return i
+        return len(resolved)
+
+
+KEPT_BUILDS = 2                 # the incumbent's and the last candidate's
+
+
+def build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanResolver | None" = None) -> dict:
     """The program of ``layout``. Its inner loop runs once per buffer read or written (1.4 M on
-    ViT-B/16, in every search candidate): buffers are rows of columns, their last steps a list by
-    buffer number, made into the buffer table once, at the end."""
-    resolver = PlanResolver.of(graph, tile_count)
-    resolved = resolver.resolve(layout)
-    steps: list[dict] = []
-    stored: dict[str, Blocks] = defaultdict(Blocks)
-    const_bufs: dict[tuple, tuple] = {}
-    input_bufs: dict[tuple, tuple] = {}
+    ViT-B/16, in every search candidate), so it resumes the kept build of a layout that starts
+    the same (``_Build``) and keeps buffers as flat int rows, made into the buffer table once,
+    at the end, with their last steps from the steps that use them. ``resolver``: the graph's
+    (default ``PlanResolver.of``, kept per process, which keeps the builds)."""
+    resolver = resolver or PlanResolver.of(graph, tile_count)
+    by_op = resolver.resolve(layout)
+    resolved = [by_op[op.id] for op in graph.ops]
+    base = max(resolver.builds, key=lambda b: b.common(resolved), default=None)
+    first = base.common(resolved) if base is not None else 0
+    value_ids, value_keys = resolver.value_ids, resolver.value_keys
     temps: dict[str, tuple] = {}
+    for op in graph.ops[:first]:
+        temps.update(resolver.lowering(op, by_op[op.id][0]).temps)
+    if first:
+        n_steps, n_rows, n_const, n_input, counts = base.marks[first]
+        steps = base.steps[:n_steps]
+        rows = base.rows[:n_rows * ROW_FIELDS]
+        use_ends = base.use_ends[:n_steps]
+        uses = base.uses[:use_ends[-1] if use_ends else 0]
+        stored: dict[str, Blocks] = defaultdict(Blocks, {vk: base.stored[vk].prefix(c) for vk, c in counts.items()})
+        const_bufs = dict(itertools.islice(base.const_bufs.items(), n_const))
+        input_bufs = dict(itertools.islice(base.input_bufs.items(), n_input))
+        marks = base.marks[:first]
+    else:
+        steps, use_ends, marks = [], [], []
+        rows = array("q", bytes(8 * ROW_FIELDS))          # buffer 0: none (buffers are numbered from 1)
+        uses = array("q")                                 # the buffers each step reads, in step order
+        stored, const_bufs, input_bufs = defaultdict(Blocks), {}, {}
     inputs, constants = set(graph.inputs), set(graph.constants)
     consumers = graph.consumers()
-    # buffer number -> its row of the buffer table (numbers from 1): tile, kind, size, start,
-    # value, block; and the last step that uses it
-    columns: list[list] = [[0, "g", 0, 0, "", 0, 0, 0, 0]]
-    ends: list[int] = [0]
     tile_keys = [str(t) for t in range(tile_count)]
+    kind_codes = {k: BUFFER_KINDS.index(k) for k in BUFFER_KINDS}
 
     info: dict[str, tuple] = {}
 
@@ -267,15 +321,18 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                 v = graph.values[int(vk[1:])]
                 info[vk] = v.rows, v.cols, v.itemsize, v.name
             else:
-                rows, cols, dtype = temps[vk]
-                info[vk] = rows, cols, {"f32": 4, "f16": 2}.get(dtype, 1), vk
+                r, c, dtype = temps[vk]
+                info[vk] = r, c, {"f32": 4, "f16": 2}.get(dtype, 1), vk
         return info[vk]
 
     def new_buf(tile, kind, blk, isz, start):
         """A new buffer on ``tile`` for ``blk`` (``(value, r0, r1, c0, c1)``): its name and number."""
-        n = len(columns)
-        columns.append([tile, kind, (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz, start, *blk])
-        ends.append(start)
+        n = len(rows) // ROW_FIELDS
+        vid = value_ids.get(blk[0])
+        if vid is None:
+            vid = value_ids[blk[0]] = len(value_keys)
+            value_keys.append(blk[0])
+        rows.extend((tile, kind_codes[kind], (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz, start, vid, *blk[1:]))
         return f"{kind}{n}", n
 
     kinds: dict[str, tuple] = {}                   # value key -> (item size, "c" | "i" | "g")
@@ -285,8 +342,10 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
         kinds[vk] = found = (vinfo(vk)[2], "c" if vid in constants else "i" if vid in inputs else "g")
         return found
 
-    for op in graph.ops:
-        choice, offset = resolved[op.id]
+    for op in graph.ops[first:]:
+        marks.append((len(steps), len(rows) // ROW_FIELDS, len(const_bufs), len(input_bufs),
+                      {vk: len(b.items) for vk, b in stored.items()}))
+        choice, offset = by_op[op.id]
         try:
             lowering = resolver.lowering(op, choice)
         except ValueError as exc:
@@ -325,36 +384,43 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
                         if found is None:
                             table[(tile, blk)] = found = new_buf(tile, kind, blk, isz, 0)
                         bid, n = found
-                    if ends[n] < s:
-                        ends[n] = s
+                    uses.append(n)
                     read_bufs.append(bid)
                 write_bufs = []
                 for blk in work.writes:
                     vk = blk[0]
                     if inplace and not read_bufs[0].startswith(("c", "i")):
                         bid = read_bufs[0]          # the cast overwrites its input's buffer
-                        n = int(bid[1:])
                     else:
                         isz = (kinds.get(vk) or kind_of(vk))[0]
-                        bid, n = new_buf(tile, "o", blk, isz, s)
+                        bid, _ = new_buf(tile, "o", blk, isz, s)
                     stored[vk].add(tile, bid, blk[1:])
                     write_bufs.append(bid)
                 verts = vertices.get(tile_keys[tile])
                 if verts is None:
                     verts = vertices[tile_keys[tile]] = []
-                first = len(verts)
+                first_vertex = len(verts)
                 for kernel, args in work.vertices:
                     verts.append([kernel, [["b", (read_bufs if a[0] == "r" else write_bufs)[a[1]], a[2]]
                                            if isinstance(a, tuple) else a for a in args]])
                 # which buffer holds each block written, and the vertices that wrote it (for read-back)
-                writes.extend([tile, bid, *blk, first, len(verts)] for bid, blk in zip(write_bufs, work.writes))
-            step["transfers"] = _gather(gathers, stored, ends, s, vinfo)
+                writes.extend([tile, bid, *blk, first_vertex, len(verts)] for bid, blk in zip(write_bufs, work.writes))
+            step["transfers"] = _gather(gathers, stored, uses, vinfo)
             steps.append(step)
+            use_ends.append(len(uses))
+    marks.append((len(steps), len(rows) // ROW_FIELDS, len(const_bufs), len(input_bufs),
+                  {vk: len(b.items) for vk, b in stored.items()}))
+    build = _Build(resolved, steps, rows, uses, use_ends, stored, const_bufs, input_bufs, marks)
+    resolver.builds = [b for b in resolver.builds if b is base][:KEPT_BUILDS - 1] + [build]
 
     end = len(steps)
-    for n, row in enumerate(columns):
-        if row[1] == "c":
-            ends[n] = end                                   # constants persist across runs
+    table = np.frombuffer(rows, dtype=np.int64).reshape(-1, ROW_FIELDS)
+    # a buffer lives from its first step to the last that reads it; constants persist across
+    # runs, and the outputs' buffers until the program ends
+    ends = table[:, 3].copy()
+    used_at = np.repeat(np.arange(end, dtype=np.int64), np.diff(np.asarray(use_ends, dtype=np.int64), prepend=0))
+    np.maximum.at(ends, np.frombuffer(uses, dtype=np.int64), used_at)
+    ends[table[:, 1] == kind_codes["c"]] = end
     outputs = []
     for vid in graph.outputs:
         v = graph.values[vid]
@@ -369,7 +435,7 @@ def build_program(graph: Graph, layout: dict, tile_count: int) -> dict:
     return {
         "tile_count": tile_count,
         "steps": steps,
-        "buffers": buffer_table(columns[1:], ends[1:], tile_count),
+        "buffers": table_of_rows(table[1:], ends[1:], value_keys, tile_count),
         "inputs": [{"value": vid, "name": graph.values[vid].name, "ranges": in_ranges[vid]}
                    for vid in graph.inputs],
         "outputs": outputs,
@@ -395,11 +461,11 @@ def _casts_in_place(graph: Graph, op, consumers) -> bool:
             and src.id not in graph.outputs and src.id not in graph.inputs and src.id not in graph.constants)
 
 
-def _gather(gathers: list[tuple], stored: dict, ends: list, step: int, vinfo) -> np.ndarray:
+def _gather(gathers: list[tuple], stored: dict, uses, vinfo) -> np.ndarray:
     """The transfers of one step, as an array (rows: ``TRANSFER_FIELDS``, buffers as
     ``buffer_code``): for each gathered read block in turn, a transfer from every block stored
     before it that it overlaps (in the order they were stored), each the rows of their
-    intersection. Marks each source buffer live until ``step`` (``ends``, by buffer number)."""
+    intersection. Appends the source buffers' numbers to ``uses`` (they live until this step)."""
     if not gathers:
         return no_transfers()
     by_value: dict[str, list[int]] = {}
@@ -432,10 +498,7 @@ def _gather(gathers: list[tuple], stored: dict, ends: list, step: int, vinfo) ->
                          ((ir0 - r[:, 0]) * (r[:, 3] - r[:, 2]) + (ic0 - r[:, 2])) * isz, (r[:, 3] - r[:, 2]) * isz,
                          ir1 - ir0, (ic1 - ic0) * isz], axis=1)
         parts.append((order, si, rows))
-        for i in np.unique(si).tolist():      # the sources live until this step
-            n = int(src.items[i][1][1:])
-            if ends[n] < step:
-                ends[n] = step
+        uses.extend(int(src.items[i][1][1:]) for i in np.unique(si).tolist())
     order = np.concatenate([o for o, _, _ in parts])
     si = np.concatenate([x for _, x, _ in parts])
     rows = np.concatenate([x for _, _, x in parts])

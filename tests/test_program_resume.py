@@ -1,0 +1,79 @@
+"""``build_program`` resumes the kept build of a layout that starts the same (a search candidate
+changes one or two operations): the program it makes is the one a fresh build makes, byte for
+byte, whatever the order of the layouts and whichever build it resumes."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from ipubuild import frontend, plugins, targets
+from ipubuild.compiler.planning.program import (KEPT_BUILDS, PlanResolver, build_program, default_layout,
+                                                plans_of, program_blob)
+from ipubuild.engine.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+TILES = 64
+
+
+@pytest.fixture(scope="module")
+def graph():
+    t = targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    return frontend.build_model(plugins.get_plugin_manager(), t).graph
+
+
+def _candidates(graph, count: int, seed: int):
+    """Layouts as a search makes them: an incumbent, candidates changing one or two operations'
+    plan or offset, now and then a candidate taken as the new incumbent."""
+    plans, rng = plans_of(graph, TILES), random.Random(seed)
+    incumbent = default_layout(graph, TILES)
+    for i in range(count):
+        layout = {"ops": {k: dict(v) for k, v in incumbent["ops"].items()}}
+        for op in rng.sample(graph.ops, rng.choice([1, 2])):
+            choice = layout["ops"][str(op.id)]
+            if rng.random() < 0.5:
+                choice["plan"] = rng.randrange(len(plans[op.id]))
+            else:
+                choice["offset"] = rng.randrange(TILES)
+        if i % 4 == 3:
+            incumbent = layout
+        yield layout
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_resumed_program_is_the_program_a_fresh_build_makes(graph, seed):
+    resolver = PlanResolver(graph, TILES)
+    resumed = 0
+    for layout in _candidates(graph, 24, seed):
+        by_op = resolver.resolve(layout)
+        resumed += max((b.common([by_op[op.id] for op in graph.ops]) for b in resolver.builds), default=0) > 0
+        got = program_blob(build_program(graph, layout, TILES, resolver))
+        fresh = program_blob(build_program(graph, layout, TILES, PlanResolver(graph, TILES)))
+        assert got == fresh
+        assert len(resolver.builds) <= KEPT_BUILDS
+    assert resumed >= 20                       # the builds did resume, not start again
+
+
+def test_a_build_that_fails_half_way_leaves_the_kept_builds_as_they_were(graph, monkeypatch):
+    resolver = PlanResolver(graph, TILES)
+    layout = default_layout(graph, TILES)
+    first = program_blob(build_program(graph, layout, TILES, resolver))
+    kept = list(resolver.builds)
+    other = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
+    middle, last = graph.ops[len(graph.ops) // 2], graph.ops[-1]
+    other["ops"][str(middle.id)]["offset"] = 7
+    lowering = resolver.lowering
+
+    def cannot_follow(op, choice):
+        if op is last:
+            raise ValueError("blocks it cannot follow")
+        return lowering(op, choice)
+    monkeypatch.setattr(resolver, "lowering", cannot_follow)
+    with pytest.raises(UserError, match=f"operation {last.name}.*cannot follow"):
+        build_program(graph, other, TILES, resolver)      # resumes at `middle`, fails at the end
+    monkeypatch.undo()
+    assert resolver.builds == kept
+    assert program_blob(build_program(graph, layout, TILES, resolver)) == first
+    assert program_blob(build_program(graph, other, TILES, resolver)) == program_blob(
+        build_program(graph, other, TILES, PlanResolver(graph, TILES)))
