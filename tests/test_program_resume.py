@@ -3,6 +3,7 @@ changes one or two operations): the program it makes is the one a fresh build ma
 byte, whatever the order of the layouts and whichever build it resumes."""
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 from ipubuild import frontend, plugins, targets
 from ipubuild.compiler.planning.program import (KEPT_BUILDS, PlanResolver, build_program, default_layout,
                                                 plans_of, program_blob)
+from ipubuild.compiler.machine import load_machine
+from ipubuild.compiler.planning.cost import program_cost, step_compute
 from ipubuild.engine.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,14 +46,18 @@ def _candidates(graph, count: int, seed: int):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_resumed_program_is_the_program_a_fresh_build_makes(graph, seed):
+    machine = load_machine(targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))["target"]["machine"])
     resolver = PlanResolver(graph, TILES)
     resumed = 0
     for layout in _candidates(graph, 24, seed):
         by_op = resolver.resolve(layout)
         resumed += max((b.common([by_op[op.id] for op in graph.ops]) for b in resolver.builds), default=0) > 0
-        got = program_blob(build_program(graph, layout, TILES, resolver))
-        fresh = program_blob(build_program(graph, layout, TILES, PlanResolver(graph, TILES)))
-        assert got == fresh
+        got = build_program(graph, layout, TILES, resolver)
+        fresh = build_program(graph, layout, TILES, PlanResolver(graph, TILES))
+        assert program_blob(got) == program_blob(fresh)
+        # its cost too: each step's compute is memoised by the step, which resumed programs share
+        zeros = [0] * len(got["steps"])
+        assert program_cost(got, zeros, machine) == program_cost(fresh, zeros, machine)
         assert len(resolver.builds) <= KEPT_BUILDS
     assert resumed >= 20                       # the builds did resume, not start again
 
@@ -77,3 +84,14 @@ def test_a_build_that_fails_half_way_leaves_the_kept_builds_as_they_were(graph, 
     assert program_blob(build_program(graph, layout, TILES, resolver)) == first
     assert program_blob(build_program(graph, other, TILES, resolver)) == program_blob(
         build_program(graph, other, TILES, PlanResolver(graph, TILES)))
+
+
+def test_a_steps_compute_is_the_machines_it_is_asked_for(graph):
+    machine = load_machine(targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))["target"]["machine"])
+    faster = copy.deepcopy(machine)
+    faster["compute"]["amp_macs_per_cycle"] = {k: 2 * v for k, v in machine["compute"]["amp_macs_per_cycle"].items()}
+    program = build_program(graph, default_layout(graph, TILES), TILES)
+    slow = [step_compute(s, machine) for s in program["steps"]]
+    fast = [step_compute(s, faster) for s in program["steps"]]
+    assert slow != fast and slow == [step_compute(s, machine) for s in program["steps"]]
+    assert fast == [step_compute(s, copy.deepcopy(faster)) for s in program["steps"]]

@@ -1,6 +1,7 @@
 """The cost model: cycles per BSP step from the kernels' estimators and the exchange horizons."""
 from __future__ import annotations
 
+import collections
 from fractions import Fraction
 
 import numpy as np
@@ -32,8 +33,26 @@ _cycles: dict = {}
 
 
 def step_compute(step: dict, machine: dict) -> dict[str, int]:
-    return {tile: sum(vertex_cycles(k, a, machine) for k, a in verts)
-            for tile, verts in step["vertices"].items()}
+    """Per tile, the compute cycles of one program step. Memoised by the step itself: a program
+    built by resuming another (``build_program``) shares its steps, which are never modified
+    once built (readers of the engine's values must not modify them)."""
+    key = (id(step), id(machine))
+    found = _computes.get(key)
+    if found is not None:
+        _computes.move_to_end(key)
+        return found[0]
+    compute = {tile: sum(vertex_cycles(k, a, machine) for k, a in verts)
+               for tile, verts in step["vertices"].items()}
+    _computes[key] = (compute, step, machine)         # holding them keeps their ids from being reused
+    while len(_computes) > COMPUTES_KEPT:
+        _computes.popitem(last=False)
+    return compute
+
+
+#: the steps whose compute is kept, the most recently used: about two ViT-B/16 programs (209
+#: steps each), steps the kept builds hold anyway
+COMPUTES_KEPT = 512
+_computes: collections.OrderedDict = collections.OrderedDict()
 
 
 def transfer_bytes(transfers) -> int:
