@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 from fractions import Fraction
 
 import numpy as np
@@ -36,23 +37,28 @@ def step_compute(step: dict, machine: dict) -> dict[str, int]:
     """Per tile, the compute cycles of one program step. Memoised by the step itself: a program
     built by resuming another (``build_program``) shares its steps, which are never modified
     once built (readers of the engine's values must not modify them)."""
-    key = (id(step), id(machine))
-    found = _computes.get(key)
-    if found is not None:
-        _computes.move_to_end(key)
-        return found[0]
+    kernels = registry()
+    key = (id(step), id(machine), id(kernels))
+    with _computes_lock:
+        found = _computes.get(key)
+        if found is not None:
+            _computes.move_to_end(key)
+            return found[0]
     compute = {tile: sum(vertex_cycles(k, a, machine) for k, a in verts)
                for tile, verts in step["vertices"].items()}
-    _computes[key] = (compute, step, machine)         # holding them keeps their ids from being reused
-    while len(_computes) > COMPUTES_KEPT:
-        _computes.popitem(last=False)
+    with _computes_lock:
+        _computes[key] = (compute, step, machine, kernels)   # held, so that their ids are not reused
+        while len(_computes) > COMPUTES_KEPT:
+            _computes.popitem(last=False)
     return compute
 
 
-#: the steps whose compute is kept, the most recently used: about two ViT-B/16 programs (209
-#: steps each), steps the kept builds hold anyway
-COMPUTES_KEPT = 512
+#: the steps whose compute is kept, the most recently used: a ViT-B/16 program has 209 steps, and
+#: a candidate shares most of them with the incumbent (a decoded step holds its program's blob, so
+#: the memo stays small)
+COMPUTES_KEPT = 256
 _computes: collections.OrderedDict = collections.OrderedDict()
+_computes_lock = threading.Lock()
 
 
 def transfer_bytes(transfers) -> int:

@@ -134,7 +134,7 @@ class _BufferNames:
     def get(self, bid, default=None):
         try:
             value = self.buffers.record(self.tile, bid)["value"]
-        except KeyError:
+        except (KeyError, ValueError):       # not a buffer of this tile, or not a program's name
             return default
         return self.names.get(value, default)
 

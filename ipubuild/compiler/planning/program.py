@@ -8,6 +8,7 @@ lifetime in steps; constants are initialised by the tile image, graph inputs wri
 from __future__ import annotations
 
 import itertools
+import threading
 from array import array
 from collections import defaultdict
 
@@ -171,6 +172,7 @@ class PlanResolver:
         self._plan: dict = {}
         self._lowered: dict = {}
         self.builds: list = []                  # build_program's last builds (``_Build``)
+        self.building = threading.Lock()        # one build at a time: builds and value ids are shared
         self.value_ids: dict[str, int] = {}     # value key -> its number in the builds' buffer rows
         self.value_keys: list[str] = []
 
@@ -275,7 +277,7 @@ class _Build:
         return len(resolved)
 
 
-KEPT_BUILDS = 2                 # the incumbent's and the last candidate's
+KEPT_BUILDS = 2                 # the build the last one resumed (in a search, the incumbent's) and the last
 
 
 def build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanResolver | None" = None) -> dict:
@@ -285,6 +287,11 @@ def build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanRe
     at the end, with their last steps from the steps that use them. ``resolver``: the graph's
     (default ``PlanResolver.of``, kept per process, which keeps the builds)."""
     resolver = resolver or PlanResolver.of(graph, tile_count)
+    with resolver.building:
+        return _build_program(graph, layout, tile_count, resolver)
+
+
+def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanResolver") -> dict:
     by_op = resolver.resolve(layout)
     resolved = [by_op[op.id] for op in graph.ops]
     base = max(resolver.builds, key=lambda b: b.common(resolved), default=None)
@@ -410,8 +417,9 @@ def build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanRe
             use_ends.append(len(uses))
     marks.append((len(steps), len(rows) // ROW_FIELDS, len(const_bufs), len(input_bufs),
                   {vk: len(b.items) for vk, b in stored.items()}))
-    build = _Build(resolved, steps, rows, uses, use_ends, stored, const_bufs, input_bufs, marks)
-    resolver.builds = [b for b in resolver.builds if b is base][:KEPT_BUILDS - 1] + [build]
+    if first < len(resolved):      # kept: the build it resumed (the incumbent's, in a search) and it
+        build = _Build(resolved, steps, rows, uses, use_ends, stored, const_bufs, input_bufs, marks)
+        resolver.builds = [b for b in resolver.builds if b is base][:KEPT_BUILDS - 1] + [build]
 
     end = len(steps)
     table = np.frombuffer(rows, dtype=np.int64).reshape(-1, ROW_FIELDS)
