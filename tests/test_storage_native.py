@@ -34,10 +34,10 @@ def test_first_fit_in_c_places_as_the_python_loop(seed):
         want = storage._allocate_python(bufs, RANGES, align, 0, None)
     except UserError as exc:
         with pytest.raises(UserError) as got:
-            storage._allocate(bufs, RANGES, align, 0, None)
+            storage.allocate(bufs, RANGES, align, tile=0)
         assert str(got.value) == str(exc)
         return
-    assert storage._allocate(bufs, RANGES, align, 0, None) == want
+    assert storage.allocate(bufs, RANGES, align, tile=0) == want
 
 
 def test_a_real_programs_tiles_are_placed_as_the_python_loop():
@@ -55,7 +55,7 @@ def test_a_real_programs_tiles_are_placed_as_the_python_loop():
     for tile, bufs in buffers_of(program).items():
         if bufs:
             align = m["memory"]["alignment"]
-            assert storage._allocate(bufs, ranges, align, int(tile), None) == \
+            assert storage.allocate(bufs, ranges, align, tile=int(tile)) == \
                 storage._allocate_python(bufs, ranges, align, int(tile), None), tile
             checked += 1
     assert checked >= 16

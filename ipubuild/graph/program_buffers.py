@@ -20,21 +20,21 @@ COLUMNS = ("tile", "code", "size", "start", "end", "value", "r0", "r1", "c0", "c
 TILE, CODE, SIZE, START, END, VALUE = range(6)
 _KIND_BASE = 11 ** _DIGITS              # a buffer_code is its kind times this, plus its digits
 
+#: the fields of a buffer as ``table_of_rows`` takes them (the value as a number, the kind as an
+#: index into ``BUFFER_KINDS``), before it has a name and a last step
+ROW_FIELDS = len(("tile", "kind", "size", "start", "value", "r0", "r1", "c0", "c1"))
+
 
 def buffer_table(columns: list[list], ends: list[int], tile_count: int) -> dict:
     """The ``program["buffers"]`` entry of buffers numbered 1, 2, … : ``columns[n - 1]`` is
     buffer n's ``[tile, kind letter, size, first step, value, r0, r1, c0, c1]`` (its block of
-    the value), ``ends[n - 1]`` its last step."""
+    the value), ``ends[n - 1]`` its last step: tables made by hand (tests); ``build_program``
+    makes its table with ``table_of_rows``."""
     values = sorted({c[4] for c in columns})
     index = {v: i for i, v in enumerate(values)}
     rows = np.array([[c[0], BUFFER_KINDS.index(c[1]), c[2], c[3], index[c[4]], *c[5:]] for c in columns],
                     dtype=np.int64).reshape(-1, ROW_FIELDS)
     return table_of_rows(rows, np.asarray(ends, dtype=np.int64), values, tile_count)
-
-
-#: the fields of a buffer as ``table_of_rows`` takes them (the value as a number, the kind as an
-#: index into ``BUFFER_KINDS``), before it has a name and a last step
-ROW_FIELDS = len(("tile", "kind", "size", "start", "value", "r0", "r1", "c0", "c1"))
 
 
 def table_of_rows(rows: np.ndarray, ends: np.ndarray, value_keys: list[str], tile_count: int) -> dict:

@@ -342,6 +342,11 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
         rows.extend((tile, kind_codes[kind], (blk[2] - blk[1]) * (blk[4] - blk[3]) * isz, start, vid, *blk[1:]))
         return f"{kind}{n}", n
 
+    def mark():
+        """The lengths of what is made so far (``_Build.marks``)."""
+        return (len(steps), len(rows) // ROW_FIELDS, len(const_bufs), len(input_bufs),
+                {vk: len(b.items) for vk, b in stored.items()})
+
     kinds: dict[str, tuple] = {}                   # value key -> (item size, "c" | "i" | "g")
 
     def kind_of(vk):
@@ -350,8 +355,7 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
         return found
 
     for op in graph.ops[first:]:
-        marks.append((len(steps), len(rows) // ROW_FIELDS, len(const_bufs), len(input_bufs),
-                      {vk: len(b.items) for vk, b in stored.items()}))
+        marks.append(mark())
         choice, offset = by_op[op.id]
         try:
             lowering = resolver.lowering(op, choice)
@@ -415,8 +419,7 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
             step["transfers"] = _gather(gathers, stored, uses, vinfo)
             steps.append(step)
             use_ends.append(len(uses))
-    marks.append((len(steps), len(rows) // ROW_FIELDS, len(const_bufs), len(input_bufs),
-                  {vk: len(b.items) for vk, b in stored.items()}))
+    marks.append(mark())
     if first < len(resolved):      # kept: the build it resumed (the incumbent's, in a search) and it
         build = _Build(resolved, steps, rows, uses, use_ends, stored, const_bufs, input_bufs, marks)
         resolver.builds = [b for b in resolver.builds if b is base][:KEPT_BUILDS - 1] + [build]

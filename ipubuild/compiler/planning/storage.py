@@ -42,7 +42,14 @@ def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, nam
     """Addresses for ``{id: {"size", "start", "end"}}`` (first fit, earliest-born first; buffers
     live at the same time never share bytes). ``names`` (buffer id -> tensor name) is used for
     the error message only."""
-    return _allocate(buffers, ranges, alignment, tile, names)
+    bids = list(buffers)
+    size, start, end = (np.array([buffers[b][k] for b in bids], dtype=np.int64).reshape(-1)
+                        for k in ("size", "start", "end"))
+    try:
+        codes = buffer_codes(bids)
+    except ValueError:                       # names that are not a program's: placed as names sort
+        codes = None
+    return _place(bids, codes, size, start, end, ranges, alignment, tile, names)
 
 
 def allocate_rows(rows: np.ndarray, ranges, alignment: int, *, tile: int, names=None) -> dict[str, int]:
@@ -62,17 +69,6 @@ def allocate_rows(rows: np.ndarray, ranges, alignment: int, *, tile: int, names=
 
 
 _memo: dict = {}
-
-
-def _allocate(buffers, ranges, alignment, tile, names) -> dict[str, int]:
-    bids = list(buffers)
-    size, start, end = (np.array([buffers[b][k] for b in bids], dtype=np.int64).reshape(-1)
-                        for k in ("size", "start", "end"))
-    try:
-        codes = buffer_codes(bids)
-    except ValueError:                       # names that are not a program's: placed as names sort
-        codes = None
-    return _place(bids, codes, size, start, end, ranges, alignment, tile, names)
 
 
 def _place(bids, codes, size, start, end, ranges, alignment, tile, names) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""Storage placement's first-fit loop in C (``storage._allocate``'s, over arrays), compiled and
+"""Storage placement's first-fit loop in C (``storage._place``'s, over arrays), compiled and
 loaded by ``native``. ``tests/test_storage_native.py`` checks it places every buffer where the
 Python loop does, on random tiles and on a real program's."""
 from __future__ import annotations
@@ -37,7 +37,7 @@ def first_fit(size: np.ndarray, start: np.ndarray, end: np.ndarray, ranges, alig
     return addr
 
 
-SOURCE = r"""/* First fit over live ranges (planning/storage.py: _allocate). Buffer i (in placement order)
+SOURCE = r"""/* First fit over live ranges (planning/storage.py: _place). Buffer i (in placement order)
  * takes size[i] bytes (aligned) from step start[i] to step end[i]; placed buffers are kept
  * sorted as tuples (address, end address, start, end) in work[]. Returns -1, or the index of
  * the first buffer that fits nowhere. Integer arithmetic only. */
