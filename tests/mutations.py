@@ -35,8 +35,8 @@ class Mutation:
 
 
 MUTATIONS = [
-    Mutation("gelu_coefficient", "the GELU's 0.5 becomes 0.45", "gelu.c",
-             "float g = 0.5f * v *", "float g = 0.45f * v *", "gelu", "gelu_f32", by_type=True),
+    Mutation("gelu_coefficient", "the GELU's 0.5 becomes 0.45", "ipu_kernel.h",
+             "return 0.5f * v * (1.0f + tanhf", "return 0.45f * v * (1.0f + tanhf", "gelu", "gelu_f32", by_type=True),
     Mutation("layernorm_epsilon", "layer norm's epsilon multiplied by 100", "layernorm.c",
              "const float eps = ipu_f32_from_bits(args[6]);", "const float eps = ipu_f32_from_bits(args[6]) * 100.0f;",
              "layernorm", "layernorm_f32", by_type=True),

@@ -48,10 +48,10 @@ def test_a_kernel_variant_runs_against_its_reference_timed_and_counted(tree):
 
 
 def test_a_wrong_kernel_fails_with_the_element_that_is_off(tree):
-    gelu = tree / "ipubuild" / "kernels" / "gelu.c"
+    gelu = tree / "ipubuild" / "kernels" / "ipu_kernel.h"          # ipu_gelu, which gelu.c calls
     text = gelu.read_text()
     try:
-        gelu.write_text(text.replace("float g = 0.5f * v *", "float g = 0.45f * v *", 1))
+        gelu.write_text(text.replace("return 0.5f * v *", "return 0.45f * v *", 1))
         run = _run(tree, "kernel:gelu_f32_fp8", "--target", "small", "--repeat", "1")
     finally:
         gelu.write_text(text)
@@ -83,10 +83,10 @@ def test_an_onnx_target_gives_shapes_and_one_that_cannot_build_is_passed_over(tm
     shutil.copytree(ROOT / "targets" / "models", t / "targets" / "models")
     broken = (ROOT / "targets" / "vit_onnx.toml").read_text().replace("vit_onnx.onnx", "missing.onnx")
     (t / "targets" / "a_broken.toml").write_text(broken)
-    run = _run(t, "kernel:softmax_f32", "--target", "vit_onnx", "--repeat", "1")
+    run = _run(t, "kernel:softmax_f32_fp8", "--target", "vit_onnx", "--repeat", "1")
     assert run.returncode == 0 and "of target vit_onnx" in run.stdout, run.tail()
     assert run.stdout.rstrip().endswith("kernelTest=PASS"), run.tail()
-    default = _run(t, "kernel:softmax_f32", "--repeat", "1")
+    default = _run(t, "kernel:softmax_f32_fp8", "--repeat", "1")
     assert default.returncode == 0 and "kernelTest=PASS" in default.stdout, default.tail()
 
 

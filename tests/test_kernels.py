@@ -251,7 +251,32 @@ def test_matmul_nan_and_saturated_inputs(kernels, tile):
 def test_matmul_invalid_flags(kernels, tile):
     kern = kernels.get("matmul", A_TYPE=F32, B_TYPE=F32)
     a = tile.put(np.ones(4, np.float32))
-    assert kern(tile, [a, a, tile.alloc(16), 2, 2, 2, 4, 0, 0, 0]) != 0
+    assert kern(tile, [a, a, tile.alloc(16), 2, 2, 2, 8, 0, 0, 0]) != 0
+    assert kern(tile, [a, a, tile.alloc(16), 2, 2, 2, 2 | 4, 0, 0, 0, a]) != 0     # accumulate and addend
+
+
+@pytest.mark.parametrize("at,bt", [(F143, F143), (F32, F32)])
+@pytest.mark.parametrize("flags,with_bias", [(0, True), (1, False)])
+def test_matmul_with_an_addend_is_the_product_then_add(kernels, tile, at, bt, flags, with_bias):
+    """``flags & 4`` (a residual add folded in): bit for bit the product, then add.c."""
+    kern = kernels.get("matmul", A_TYPE=at, B_TYPE=bt)
+    r = rng(at * 10 + bt + flags)
+    m, k, n, sa, sb = 6, 40, 9, 1, -2
+    a = tile.put(store(r.standard_normal(m * k).astype(np.float32) * 4, at, sa))
+    b = tile.put(store(r.standard_normal(k * n).astype(np.float32) * 4, bt, sb))
+    bias = tile.put(r.standard_normal(n).astype(np.float32)) if with_bias else 0
+    res = tile.put((r.standard_normal((m, n)) * 50).astype(np.float32))
+    c, summed, fused = tile.alloc(4 * m * n), tile.alloc(4 * m * n), tile.alloc(4 * m * n)
+    common = [m, k, n, flags, sa & 0xFFFFFFFF, sb & 0xFFFFFFFF, bias]
+    assert kern(tile, [a, b, c, *common]) == 0
+    assert kernels.get("add")(tile, [res, c, summed, m, n, m]) == 0
+    common[3] |= 4
+    assert kern(tile, [a, b, fused, *common, res]) == 0
+    np.testing.assert_array_equal(tile.read(fused, np.float32, (m, n)), tile.read(summed, np.float32, (m, n)))
+    assert not np.array_equal(tile.read(fused, np.float32, (m, n)), tile.read(c, np.float32, (m, n)))
+    if at != F32:
+        fp8_out = kernels.get("matmul", A_TYPE=at, B_TYPE=bt, FP8_OUT=1)
+        assert fp8_out(tile, [a, b, fused, *common, F143, 0]) != 0            # no addend into FP8
 
 
 def test_matmul_unknown_type_is_compile_error(tmp_path):
@@ -473,6 +498,64 @@ def test_layernorm_gelu_reduce_with_folded_cast_are_bit_exact(kernels, tile, out
         assert kernels.get(name, FP8_OUT=1)(tile, args) != 0, name
 
 
+@pytest.mark.parametrize("at,bt", [(F143, F143), (F32, F32)])
+@pytest.mark.parametrize("fp8_out", [False, True])
+def test_matmul_and_reduce_with_a_folded_gelu_are_bit_exact(kernels, tile, at, bt, fp8_out):
+    """``-DGELU``: the product (or the sum of partial products), then gelu.c, then (with
+    ``-DFP8_OUT``) cast.c: the same bits."""
+    if fp8_out and at == F32:
+        pytest.skip("FP8_OUT takes FP8 operands")
+    r = rng(at * 10 + bt + fp8_out)
+    m, k, n, sa, sb, so = 5, 33, 11, 1, -2, -1
+    a = tile.put(store(r.standard_normal(m * k).astype(np.float32) * 3, at, sa))
+    b = tile.put(store(r.standard_normal(k * n).astype(np.float32) * 3, bt, sb))
+    bias = tile.put(r.standard_normal(n).astype(np.float32))
+    c, g = tile.alloc(4 * m * n), tile.alloc(4 * m * n)
+    common = [m, k, n, 0, sa & 0xFFFFFFFF, sb & 0xFFFFFFFF, bias]
+    assert kernels.get("matmul", A_TYPE=at, B_TYPE=bt)(tile, [a, b, c, *common]) == 0
+    assert kernels.get("gelu")(tile, [c, g, m * n]) == 0
+    expect = cast_after(kernels, tile, g, m * n, F143, so) if fp8_out else tile.read(g, np.float32, (m * n,))
+    out_args = [F143, so] if fp8_out else []
+    defines = {"GELU": 1, **({"FP8_OUT": 1} if fp8_out else {})}
+    fused = tile.alloc(4 * m * n)
+    assert kernels.get("matmul", A_TYPE=at, B_TYPE=bt, **defines)(tile, [a, b, fused, *common, *out_args]) == 0
+    got = tile.read(fused, np.uint8 if fp8_out else np.float32, (m * n,))
+    np.testing.assert_array_equal(got, expect)
+    assert len(set(got.tolist())) > 10 and not np.array_equal(tile.read(g, np.float32, (m * n,)),
+                                                               tile.read(c, np.float32, (m * n,)))
+    assert kernels.get("matmul", A_TYPE=at, B_TYPE=bt, **defines)(tile, [a, b, fused, m, k, n, 2, 0, 0, 0,
+                                                                        *out_args]) != 0  # no accumulate
+    # the sum of partial products: c and two more, then the GELU
+    parts = [c] + [tile.put(r.standard_normal(m * n).astype(np.float32)) for _ in range(2)]
+    assert kernels.get("reduce")(tile, [g, m * n, 3, *parts]) == 0
+    assert kernels.get("gelu")(tile, [g, g, m * n]) == 0
+    expect = cast_after(kernels, tile, g, m * n, F143, so) if fp8_out else tile.read(g, np.float32, (m * n,))
+    assert kernels.get("reduce", **defines)(tile, [fused, m * n, 3, *out_args, *parts]) == 0
+    np.testing.assert_array_equal(tile.read(fused, np.uint8 if fp8_out else np.float32, (m * n,)), expect)
+
+
+@pytest.mark.parametrize("out_t", [F143, F152])
+@pytest.mark.parametrize("scale", [1.0, 0.125, -2.0])
+def test_softmax_with_folded_cast_is_bit_exact(kernels, tile, out_t, scale):
+    """The FP8 softmax writes the codes of the f32 softmax followed by cast.c, every one of them
+    (its exponentials in an f32 scratch, which may be its input)."""
+    r = rng(out_t * 100 + int(8 * abs(scale)) + (scale < 0))
+    rows, cols, so = 5, 197, 7
+    x = (r.standard_normal((rows, cols)) * 4).astype(np.float32)
+    x[0, 1] = 80.0
+    xa = tile.put(x)
+    y32, y8 = tile.alloc(4 * rows * cols), tile.alloc(rows * cols)
+    shape = [rows, cols, testing.f32_bits(scale)]
+    assert kernels.get("softmax")(tile, [xa, y32, *shape]) == 0
+    expect = cast_after(kernels, tile, y32, rows * cols, out_t, so)
+    for e in (tile.alloc(4 * rows * cols), xa):
+        assert kernels.get("softmax", FP8_OUT=1)(tile, [xa, y8, *shape, out_t, so, e]) == 0
+        got = tile.read(y8, np.uint8, (rows * cols,))
+        np.testing.assert_array_equal(got, expect)
+    assert len(set(got.tolist())) > 10
+    assert kernels.get("softmax", FP8_OUT=1)(tile, [xa, y8, *shape, F32, so, y32]) != 0
+
+
 @pytest.mark.parametrize("dst_t", [F143, F152])
 def test_cast_rows_is_cast_per_strided_row(kernels, tile, dst_t):
     r = rng(dst_t)
@@ -538,10 +621,11 @@ def _valid_calls(tile):
         ("matmul", {"A_TYPE": F143, "B_TYPE": F143, "FP8_OUT": 1}, [q, q, y, 4, 8, 8, 0, 0, 0, g, F143, 0]),
         ("reduce", {}, [y, 16, 2, x, x + 64]),
         ("softmax", {}, [x, y, 4, 16, testing.f32_bits(1.0)]),
+        ("softmax", {"FP8_OUT": 1}, [x, y, 4, 16, testing.f32_bits(1.0), F143, 0, x]),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(13))
 def test_checked_kernels_compute_what_the_unchecked_ones_do(kernels, case):
     memories = []
     for build in ({}, CHECKED):
@@ -587,8 +671,10 @@ def test_checked_kernels_refuse_a_buffer_outside_data_memory_and_touch_nothing(k
     ("add", {}, [0x4C000, 0x4C100, 0x4C200, 4, 4, 3], 1, "b_rows is neither 1 nor rows"),
     ("layernorm", {}, [0x4C000, 0x4C100, 0x4C200, 0x4C300, 1, 0, 0], 1, "cols is 0"),
     ("reduce", {}, [0x4C000, 4, 0], 1, "count is 0"),
-    ("matmul", {"A_TYPE": F32, "B_TYPE": F32}, [0x4C000, 0x4C100, 0x4C200, 1, 1, 1, 4, 0, 0, 0], 1,
+    ("matmul", {"A_TYPE": F32, "B_TYPE": F32}, [0x4C000, 0x4C100, 0x4C200, 1, 1, 1, 8, 0, 0, 0], 1,
      "unknown flag bits"),
+    ("matmul", {"A_TYPE": F32, "B_TYPE": F32}, [0x4C000, 0x4C100, 0x4C200, 1, 1, 1, 6, 0, 0, 0, 0x4C300], 1,
+     "both accumulate and addend"),
 ])
 def test_checked_kernels_say_why_they_refuse_their_arguments(kernels, name, defines, args, code, reason):
     k = _checked(kernels, name, **defines)

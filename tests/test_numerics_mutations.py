@@ -62,7 +62,7 @@ def test_a_clean_build_compares_every_operation(tree):
     assert v["pass"] and v["device_ok"] and v["failed_gates"] == []
     assert ops["mode"] == "operations" and ops["diverged"] == [] and ops["first"] is None
     names = [e["op"] for e in ops["each"]]
-    assert names[0] == "patchify" and names[-1] == "head" and len(names) == 20, names
+    assert names[0] == "patchify" and names[-1] == "head" and len(names) == 19, names
     assert all(e["failed"] == 0 for e in ops["each"])
 
 

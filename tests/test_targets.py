@@ -62,12 +62,13 @@ def test_real_target_loads(monkeypatch):
     assert t["path"] == "targets/vit_fp8.toml"
     assert t["target"] == {"tile_count": 64, "machine": "ipu21", "device": "ipumodel", "seed": 0, "default": True}
     assert t["model"] == {
-        "family": "vit", "passes": [], "image_size": 224, "channels": 3, "patch": 16, "width": 192,
+        "family": "vit", "passes": ["fold_activations", "fold_adds"], "image_size": 224, "channels": 3,
+        "patch": 16, "width": 192,
         "heads": 3, "mlp": 768, "blocks": 1, "classes": 1000,
     }
     assert t["casts"] == {
         "policy": "f143", "scaling": "amax_pow2",
-        "fuse": ["attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows"],
+        "fuse": ["attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows", "softmax"],
         "storage": {"default": "separate", "operators": {}, "sites": {}},
     }
     assert t["numerics"] == {"min_cosine": 0.999, "max_abs_error": 0.15, "blas_threads": 1, "compare": "auto"}
@@ -249,9 +250,9 @@ MALFORMED = [
      "numerics.compare", "expected one of 'auto', 'operations', 'outputs', got 'ops'", None),
     ("scaling-bad", "bad.toml", _good_with("casts", 'scaling = "max"'),
      "casts.scaling", "expected one of 'amax_pow2', 'none', got 'max'", None),
-    ("fuse-unknown", "bad.toml", _good_with("casts", 'fuse = ["softmax"]'),
+    ("fuse-unknown", "bad.toml", _good_with("casts", 'fuse = ["add"]'),
      "casts.fuse[0]", "expected one of 'attention_context', 'gelu', 'layernorm', 'matmul', 'patchify', "
-     "'slice_rows', got 'softmax'", None),
+     "'slice_rows', 'softmax', got 'add'", None),
     ("storage-default-bad", "bad.toml", GOOD + '[casts.storage]\ndefault = "inplace2"\n',
      "casts.storage.default", "expected one of 'separate', 'inplace', got 'inplace2'", None),
     ("storage-unknown-key", "bad.toml", GOOD + '[casts.storage]\nmode = "inplace"\n',

@@ -20,10 +20,12 @@ FP8_OPERANDS = {"matmul": (0, 1), "attention_scores": (0,), "attention_context":
 
 @pytest.fixture(scope="module")
 def target():
-    """vit_fp8 with every cast a separate operation (``casts.fuse = []``): the tests of cast
-    placement check those; the tests of folded casts (below) take the target as it is."""
+    """vit_fp8 with every cast a separate operation (``casts.fuse = []``) and its residual adds
+    too (no ``fold_adds``): the tests of cast placement check those; the tests of folded
+    casts and adds (below) fold them."""
     t = targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))
     t["casts"]["fuse"] = []
+    t["model"]["passes"] = []
     return t
 
 
@@ -254,14 +256,71 @@ def _fuse(*ops):
     return mod
 
 
+def assert_same_bits(folded, plain):
+    """The reference of a graph with operations folded gives every value it shares with the
+    unfolded graph (fewer: the folded operations' own outputs are gone) the same bits."""
+    a = by_name(folded.graph, reference.evaluate(folded.graph, folded.constants, folded.inputs, keep_all=True))
+    b = by_name(plain.graph, reference.evaluate(plain.graph, plain.constants, plain.inputs, keep_all=True))
+    assert set(a) < set(b)
+    for name, arr in a.items():
+        np.testing.assert_array_equal(arr, b[name], err_msg=name)
+
+
+def test_adds_fold_into_the_operations_before_them_bit_exact(target, model):
+    """``fold_adds``: each residual add becomes its matmul's addend, the positional embedding
+    the class token's concat's (their outputs the adds' values), and the reference gives every
+    value both graphs have the same bits."""
+    fused = build(target, lambda t: t["model"].update(passes=["fold_adds"]))
+    g, u = fused.graph, model.graph
+    assert [o.name for o in u.ops if o.type == "add"] == ["pos_embed", "block0.residual1", "block0.residual2"]
+    assert not [o for o in g.ops if o.type == "add"]
+    assert len(g.ops) == len(u.ops) - 3
+    ops = {o.name: o for o in g.ops}
+    for name, sum_name, addend in (("prepend_cls", "pos_embed", "pos_embed"),
+                                   ("block0.proj", "block0.residual1", "pos_embed"),
+                                   ("block0.fc2", "block0.residual2", "block0.residual1")):
+        op = ops[name]
+        assert op.attrs.get("addend") and g.values[op.outputs[0]].name == sum_name
+        assert g.values[op.inputs[-1]].name == addend
+    assert op.inputs[-1] not in g.constants and ops["prepend_cls"].inputs[-1] in g.constants
+    assert_same_bits(fused, model)
+
+
+def test_the_gelu_folds_into_its_matmul_with_its_cast_bit_exact(target):
+    """``fold_activations`` after ``fold_casts``: fc1 applies the GELU and writes FP8 itself;
+    the reference gives the FP8 codes the separate GELU gave."""
+    plain = build(target, lambda t: t["casts"].pop("fuse"))
+    fused = build(target, lambda t: (t["casts"].pop("fuse"), t["model"].update(passes=["fold_activations"])))
+    g, u = fused.graph, plain.graph
+    assert [o.name for o in u.ops if o.type == "gelu"] == ["block0.gelu"] and not [o for o in g.ops if o.type == "gelu"]
+    fc1 = next(o for o in g.ops if o.name == "block0.fc1")
+    assert fc1.attrs["activation"] == "gelu" and fc1.attrs["to"] == "f143"
+    assert g.values[fc1.outputs[0]].name == "block0.gelu" and g.values[fc1.outputs[0]].dtype == "f143"
+    assert len(g.ops) == len(u.ops) - 1
+    assert_same_bits(fused, plain)
+
+
+def test_a_residual_add_is_not_folded_where_the_product_has_another_reader(target):
+    from ipubuild.builtin.passes import fold_adds
+    m = build(target)
+    g = m.graph
+    proj = next(o for o in g.ops if o.name == "block0.proj")
+    add = next(o for o in g.ops if o.name == "block0.residual1")
+    g.outputs.append(g.add("gelu", [proj.outputs[0]], name="another_reader"))
+    fold_adds(m, target)
+    assert any(o is add for o in g.ops) and not proj.attrs.get("addend")
+    assert next(o for o in g.ops if o.name == "block0.fc2").attrs.get("addend")     # the other still folds
+
+
 def test_casts_fold_into_producers_bit_exact(target, model):
-    fused = build(target, _fuse("attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows"))
+    fused = build(target, _fuse("attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows",
+                                "softmax"))
     g, u = fused.graph, model.graph
     folded = {o.name: o for o in g.ops if "to" in o.attrs and o.type != "cast"}
     assert sorted(folded) == ["block0.context", "block0.gelu", "block0.ln1", "block0.ln2", "block0.qkv",
-                              "cls_slice", "patchify"]
-    assert [o.name for o in g.ops if o.type == "cast"] == ["cast_block0.softmax"]   # softmax cannot fold one
-    assert len(g.ops) == len(u.ops) - 7
+                              "block0.softmax", "cls_slice", "patchify"]
+    assert [o.name for o in g.ops if o.type == "cast"] == []
+    assert len(g.ops) == len(u.ops) - 8
     unfused_casts = {u.values[o.inputs[0]].name: u.values[o.outputs[0]] for o in u.ops if o.type == "cast"}
     for name, op in folded.items():
         v = g.values[op.outputs[0]]

@@ -16,9 +16,11 @@ from ..kernels.cast_cycles import cast as cast_cycles, cast_rows as cast_rows_cy
 from ..kernels.copy_cycles import copy as copy_cycles
 from ..kernels.gelu_cycles import gelu as gelu_cycles, gelu_fp8 as gelu_fp8_cycles
 from ..kernels.layernorm_cycles import layernorm as layernorm_cycles, layernorm_fp8 as layernorm_fp8_cycles
-from ..kernels.matmul_cycles import matmul as matmul_cycles, matmul_fp8 as matmul_fp8_cycles
-from ..kernels.reduce_cycles import reduce as reduce_cycles, reduce_fp8 as reduce_fp8_cycles
-from ..kernels.softmax_cycles import softmax as softmax_cycles
+from ..kernels.matmul_cycles import matmul as matmul_cycles, matmul_fp8 as matmul_fp8_cycles, \
+    matmul_gelu as matmul_gelu_cycles
+from ..kernels.reduce_cycles import reduce as reduce_cycles, reduce_fp8 as reduce_fp8_cycles, \
+    reduce_gelu as reduce_gelu_cycles, reduce_gelu_fp8 as reduce_gelu_fp8_cycles
+from ..kernels.softmax_cycles import softmax as softmax_cycles, softmax_fp8 as softmax_fp8_cycles
 from ..graph.operators import F32_ROUNDOFF as U, KernelVariant, Lowering, Operator, TileWork, f32_bits, gamma, key, split
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
@@ -291,12 +293,15 @@ class Softmax(RowwiseOperator):
         x = graph.values[op.inputs[0]]
         if x.dtype != "f32":
             raise ValueError(f"softmax takes f32, got {x.dtype}")
-        return [(x.shape, "f32", 0)]
+        return [(x.shape, *_out_type(op, "f32", 0))]
+
+    def fuses_cast(self, graph, op, dtype):
+        return dtype in FP8
 
     def reference(self, graph, op, inputs):
         x = inputs[0] * np.float32(op.attrs.get("scale", 1.0))
         e = hostmath.exp(x - x.max(axis=-1, keepdims=True))
-        return [(e / e.sum(axis=-1, keepdims=True)).astype(np.float32)]
+        return [_encode_out(op, (e / e.sum(axis=-1, keepdims=True)).astype(np.float32))]
 
     def tolerance(self, graph, op, inputs, outputs):
         """Relative to each probability: both exponentials' last bits (``LIBM_ULPS`` ulps each,
@@ -308,14 +313,45 @@ class Softmax(RowwiseOperator):
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
 
+        # with a cast folded in, the exponentials go to an f32 scratch of the rows (as the f32
+        # output they replace would take)
+        scratch = f"t{op.id}.0" if _folded(op) else None
+
         def work(t, r0, r1):
-            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols)], [(key(y.id), r0, r1, 0, y.cols)],
-                            [("softmax_f32", [("r", 0, 0), ("w", 0, 0), r1 - r0, x.cols,
-                                              f32_bits(op.attrs.get("scale", 1.0))])])
-        return Lowering([_rows_work(x.rows, plan, work)])
+            writes = [(key(y.id), r0, r1, 0, y.cols)] + ([(scratch, r0, r1, 0, x.cols)] if scratch else [])
+            return TileWork(t, [(key(x.id), r0, r1, 0, x.cols)], writes,
+                            [("softmax_f32" + ("_fp8" if scratch else ""),
+                              [("r", 0, 0), ("w", 0, 0), r1 - r0, x.cols, f32_bits(op.attrs.get("scale", 1.0)),
+                               *_epilogue(op), *([("w", 1, 0)] if scratch else [])])])
+        return Lowering([_rows_work(x.rows, plan, work)], {scratch: (x.rows, x.cols, "f32")} if scratch else {})
+
+    def variants(self, graph, op):
+        return ["softmax_f32" + ("_fp8" if _folded(op) else "")]
 
     def kernels(self):
-        return [_variant("softmax_f32", "softmax.c", softmax_cycles)]
+        return [_variant("softmax_f32", "softmax.c", softmax_cycles),
+                _variant("softmax_f32_fp8", "softmax.c", softmax_fp8_cycles, FP8_OUT=1)]
+
+
+def _gelu(x):
+    """gelu.c's GELU (tanh approximation) on the host, in f32."""
+    c = np.float32(0.7978845608)
+    t = hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x))
+    return (np.float32(0.5) * x * (np.float32(1) + t)).astype(np.float32)
+
+
+def _gelu_tolerance(x, out):
+    """The argument of tanh is computed the same way on both sides; tanh's last bits differ
+    (``LIBM_ULPS`` ulps each), then ``1 + t`` and the product round once more each."""
+    x = np.asarray(x, np.float32)
+    c = np.float32(0.7978845608)
+    t = _abs(hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+    half = 0.5 * _abs(x)
+    return half * (2 * LIBM_ULPS * 2 * U * t + 2 * U * (1 + t)) + 2 * U * _abs(out) + TINY
+
+
+#: the largest slope of the GELU (tanh approximation): an error in its input grows by at most this
+GELU_SLOPE = 1.13
 
 
 class Gelu(ElementwiseOperator):
@@ -331,19 +367,10 @@ class Gelu(ElementwiseOperator):
         return dtype in FP8
 
     def reference(self, graph, op, inputs):
-        x = inputs[0]
-        c = np.float32(0.7978845608)
-        return [_encode_out(op, (np.float32(0.5) * x * (np.float32(1) + hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x))))
-                            .astype(np.float32))]
+        return [_encode_out(op, _gelu(inputs[0]))]
 
     def tolerance(self, graph, op, inputs, outputs):
-        """The argument of tanh is computed the same way on both sides; tanh's last bits differ
-        (``LIBM_ULPS`` ulps each), then ``1 + t`` and the product round once more each."""
-        x = np.asarray(inputs[0], np.float32)
-        c = np.float32(0.7978845608)
-        t = _abs(hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x)))
-        half = 0.5 * _abs(x)
-        return [half * (2 * LIBM_ULPS * 2 * U * t + 2 * U * (1 + t)) + 2 * U * _abs(outputs[0]) + TINY]
+        return [_gelu_tolerance(inputs[0], outputs[0])]
 
     def lower(self, graph, op, plan):
         x, y = graph.values[op.inputs[0]], graph.values[op.outputs[0]]
@@ -446,44 +473,71 @@ def _cast_rows_variants():
 
 
 class ConcatRows(RowwiseOperator):
-    """``[a; b]``: the rows of ``a`` then the rows of ``b`` (e.g. the class token, then patches)."""
+    """``[a; b]``: the rows of ``a`` then the rows of ``b`` (e.g. the class token, then patches).
+    With ``attrs["addend"]`` (the ``fold_adds`` pass) its third input, an f32 value of its
+    output's shape, is added to the rows (a positional embedding): bit-exact with the concat
+    then ``add``."""
     name = "concat_rows"
     follows = None
 
     def infer(self, graph, op):
-        a, b = (graph.values[i] for i in op.inputs)
+        a, b = (graph.values[i] for i in op.inputs[:2])
         if a.cols != b.cols or a.dtype != b.dtype:
             raise ValueError(f"cannot stack {a.name} {list(a.shape)} {a.dtype} on "
                              f"{b.name} {list(b.shape)} {b.dtype}")
-        return [((a.rows + b.rows, a.cols), a.dtype, a.scale_exp)]
+        shape = (a.rows + b.rows, a.cols)
+        if op.attrs.get("addend"):
+            v = graph.values[op.inputs[2]]
+            if a.dtype != "f32" or v.dtype != "f32" or v.shape != shape:
+                raise ValueError(f"an addend of concat_rows must be f32 of shape {list(shape)} added to f32 "
+                                 f"rows, got {v.dtype} {list(v.shape)} to {a.dtype}")
+        return [(shape, a.dtype, a.scale_exp)]
+
+    def fuses_addend(self, graph, op):
+        return not op.attrs.get("addend") and graph.values[op.outputs[0]].dtype == "f32"
 
     def reference(self, graph, op, inputs):
-        a, b = inputs
-        return [np.concatenate([a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])])]
+        a, b = inputs[:2]
+        out = np.concatenate([a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])])
+        if op.attrs.get("addend"):
+            out = (out + inputs[2].reshape(out.shape)).astype(np.float32)
+        return [out]
 
     def tolerance(self, graph, op, inputs, outputs):
         return _exact(op)
 
     def lower(self, graph, op, plan):
-        a, b = (graph.values[i] for i in op.inputs)
+        a, b = (graph.values[i] for i in op.inputs[:2])
+        addend = graph.values[op.inputs[2]] if op.attrs.get("addend") else None
         y = graph.values[op.outputs[0]]
         rb = y.cols * y.itemsize
 
+        def piece(reads, src, rows, at):
+            """The vertex that writes ``rows`` rows from ``reads[src]`` at row ``at`` of the
+            tile's block: a copy, or with an addend, the add of the addend's rows."""
+            if addend is None:
+                return ("copy", [("r", src, 0), ("w", 0, at * rb), rows, rb, rb, rb])
+            return ("add_f32", [("r", src, 0), ("r", len(reads) - 1, at * rb), ("w", 0, at * rb), rows, y.cols, rows])
+
         def work(t, r0, r1):
-            reads, verts = [], []
+            reads, pieces = [], []             # (read, rows, first row in the tile's block)
             if r0 < a.rows:
                 reads.append((key(a.id), r0, min(r1, a.rows), 0, a.cols))
-                verts.append(("copy", [("r", 0, 0), ("w", 0, 0), min(r1, a.rows) - r0, rb, rb, rb]))
+                pieces.append((0, min(r1, a.rows) - r0, 0))
             if r1 > a.rows:
                 s0 = max(r0, a.rows)
                 reads.append((key(b.id), s0 - a.rows, r1 - a.rows, 0, b.cols))
-                verts.append(("copy", [("r", len(reads) - 1, 0), ("w", 0, (s0 - r0) * rb),
-                                       r1 - s0, rb, rb, rb]))
-            return TileWork(t, reads, [(key(y.id), r0, r1, 0, y.cols)], verts)
+                pieces.append((len(reads) - 1, r1 - s0, s0 - r0))
+            if addend is not None:
+                reads.append((key(addend.id), r0, r1, 0, y.cols))
+            return TileWork(t, reads, [(key(y.id), r0, r1, 0, y.cols)], [piece(reads, *p) for p in pieces])
         return Lowering([_rows_work(y.rows, plan, work)])
 
+    def variants(self, graph, op):
+        return ["add_f32" if op.attrs.get("addend") else "copy"]
+
     def kernels(self):
-        return [_variant("copy", "copy.c", copy_cycles)]
+        return [_variant("copy", "copy.c", copy_cycles), _variant("add_f32", "add.c", add_cycles)]
 
 
 class SliceRows(RowwiseOperator):
@@ -538,39 +592,85 @@ def _matmul_reference(a, av, b, bv, trans_b=False):
     return (out * 2.0 ** -(av.scale_exp + bv.scale_exp)).astype(np.float32)
 
 
+def _matmul_operands(op) -> tuple[int, int, int | None, int | None]:
+    """A matmul's ``(a, b, bias, addend)`` value ids: inputs ``[a, b]``, then the bias if any,
+    then the addend if ``attrs["addend"]`` (a residual add folded in)."""
+    rest = list(op.inputs[2:])
+    addend = rest.pop() if op.attrs.get("addend") else None
+    return op.inputs[0], op.inputs[1], (rest[0] if rest else None), addend
+
+
 class MatMul(Operator):
-    """``A[M,K] @ B[K,N] (+ bias[N])`` with f32 accumulation; B is a constant or activation."""
+    """``A[M,K] @ B[K,N] (+ bias[N])`` with f32 accumulation; B is a constant or activation.
+    With ``attrs["addend"]`` (the ``fold_adds`` pass) its last input, an f32 ``[M, N]``, is
+    added to the product: ``addend + (A @ B + bias)``, bit-exact with the product then ``add``.
+    With ``attrs["activation"] = "gelu"`` (the ``fold_activations`` pass) the GELU of the product
+    (before any folded cast), bit-exact with the product then ``gelu``."""
     name = "matmul"
 
     def infer(self, graph, op):
-        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
+        ia, ib, ibias, iadd = _matmul_operands(op)
+        a, b = graph.values[ia], graph.values[ib]
         if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[0]:
             raise ValueError(f"cannot multiply {a.name} {list(a.shape)} by {b.name} {list(b.shape)}")
         if (a.dtype, b.dtype) not in MATMUL_TYPES:
             raise ValueError(f"no matmul for {a.dtype} x {b.dtype}; supported: {MATMUL_TYPES}")
-        if len(op.inputs) == 3 and graph.values[op.inputs[2]].shape != (b.shape[1],):
+        if len(op.inputs) > 3 + (iadd is not None):
+            raise ValueError(f"a matmul takes a, b, a bias and an addend at most, got {len(op.inputs)} inputs")
+        if ibias is not None and graph.values[ibias].shape != (b.shape[1],):
             raise ValueError(f"bias must have shape [{b.shape[1]}]")
+        if iadd is not None:
+            v = graph.values[iadd]
+            if v.shape != (a.shape[0], b.shape[1]) or v.dtype != "f32":
+                raise ValueError(f"the addend must be f32 of shape [{a.shape[0]}, {b.shape[1]}], got "
+                                 f"{v.dtype} {list(v.shape)}")
+            if _folded(op) or op.attrs.get("activation"):
+                raise ValueError("a matmul with an addend cannot have a cast or an activation folded in")
+        if op.attrs.get("activation") not in (None, "gelu"):
+            raise ValueError(f"a matmul's activation must be gelu, not {op.attrs['activation']!r}")
         if _folded(op) and not self.fuses_cast(graph, op, op.attrs["to"]):
             raise ValueError(f"a cast folded into a matmul needs FP8 operands, got {a.dtype} x {b.dtype}")
         return [((a.shape[0], b.shape[1]), *_out_type(op, "f32", 0))]
 
     def fuses_cast(self, graph, op, dtype):
-        return dtype in FP8 and all(graph.values[v].dtype in FP8 for v in op.inputs[:2])
+        return dtype in FP8 and not op.attrs.get("addend") and all(graph.values[v].dtype in FP8 for v in op.inputs[:2])
 
-    def reference(self, graph, op, inputs):
+    def fuses_addend(self, graph, op):
+        return not op.attrs.get("addend") and not _folded(op) and not op.attrs.get("activation")
+
+    def fuses_activation(self, graph, op, activation):
+        return activation == "gelu" and not any(op.attrs.get(a) for a in ("addend", "activation", "to"))
+
+    def _product(self, graph, op, inputs):
+        """The reference of the product and bias, before any addend."""
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         out = _matmul_reference(inputs[0], a, inputs[1], b)
-        if len(inputs) == 3:
+        if _matmul_operands(op)[2] is not None:
             out = (out + inputs[2]).astype(np.float32)
+        return out
+
+    def reference(self, graph, op, inputs):
+        out = self._product(graph, op, inputs)
+        if op.attrs.get("addend"):
+            out = (inputs[-1] + out).astype(np.float32)
+        if op.attrs.get("activation"):
+            out = _gelu(out)
         return [_encode_out(op, out)]
 
     def tolerance(self, graph, op, inputs, outputs):
         """``K`` products summed in any order (a split-K plan sums partial results, its first
-        with the bias: a few roundings more), then the bias added: see ``_product_bound``."""
+        with the bias: a few roundings more), then the bias added: see ``_product_bound``;
+        with an addend, its sum rounds once more; with a GELU, that bound on its input times the
+        GELU's largest slope, and the GELU's own (``_gelu_tolerance``)."""
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         bound = _product_bound(inputs[0], a, inputs[1], b, terms=4)
-        if len(inputs) == 3:
+        if _matmul_operands(op)[2] is not None:
             bound = bound + 2 * gamma(4) * _abs(inputs[2])
+        if op.attrs.get("addend"):
+            bound = bound + 2 * U * _abs(self._product(graph, op, inputs))
+        if op.attrs.get("activation"):
+            pre = self._product(graph, op, inputs)
+            return [GELU_SLOPE * (bound + 2 * U * _abs(pre) + TINY) + _gelu_tolerance(pre, outputs[0])]
         return [bound + 2 * U * _abs(outputs[0]) + TINY]
 
     def plans(self, graph, op, tile_count):
@@ -609,13 +709,16 @@ class MatMul(Operator):
         return a.shape[0] * a.shape[1] * b.shape[1]
 
     def lower(self, graph, op, plan):
-        a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
-        bias = graph.values[op.inputs[2]] if len(op.inputs) == 3 else None
+        ia, ib, ibias, iadd = _matmul_operands(op)
+        a, b = graph.values[ia], graph.values[ib]
+        bias = graph.values[ibias] if ibias is not None else None
+        addend = graph.values[iadd] if iadd is not None else None
         y = graph.values[op.outputs[0]]
         m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
         rows, cols, ks = split(m_, plan["m"]), split(n_, plan["n"]), split(k_, plan["k"])
         kname = f"matmul_{a.dtype}_{b.dtype}"
         epilogue = _epilogue(op)
+        suffix = ("_gelu" if op.attrs.get("activation") else "") + ("_fp8" if epilogue else "")
         temp = f"t{op.id}.0"
         stage1, stage2 = [], []
         for i, (r0, r1) in enumerate(rows):
@@ -628,10 +731,14 @@ class MatMul(Operator):
                         reads.append((key(bias.id), 0, 1, c0, c1))
                         bias_arg = ("r", 2, 0)
                     direct = len(ks) == 1      # else partial sums, reduced in stage 2
+                    flags, tail = 0, epilogue if direct else []
+                    if direct and addend is not None:
+                        reads.append((key(addend.id), r0, r1, c0, c1))
+                        flags, tail = 4, [("r", len(reads) - 1, 0)]
                     out = (key(y.id), r0, r1, c0, c1) if direct else (temp, l * m_ + r0, l * m_ + r1, c0, c1)
-                    stage1.append(TileWork(t, reads, [out], [(kname + ("_fp8" if direct and epilogue else ""), [
-                        ("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, k1 - k0, c1 - c0, 0,
-                        a.scale_exp & 0xFFFFFFFF, b.scale_exp & 0xFFFFFFFF, bias_arg, *(epilogue if direct else [])])]))
+                    stage1.append(TileWork(t, reads, [out], [(kname + (suffix if direct else ""), [
+                        ("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, k1 - k0, c1 - c0, flags,
+                        a.scale_exp & 0xFFFFFFFF, b.scale_exp & 0xFFFFFFFF, bias_arg, *tail])]))
                 # the reduction is spread over the block's K-slice tiles (a reduce-scatter, as
                 # poplibs does): tile l sums rows l of the block's split, so each receives
                 # (k-1)/k of a block's partial sums rather than one tile (k-1) blocks; every
@@ -642,10 +749,12 @@ class MatMul(Operator):
                     t = (i * len(cols) + j) * len(ks) + l
                     s0, s1 = r0 + q0, r0 + q1
                     reads = [(temp, p * m_ + s0, p * m_ + s1, c0, c1) for p in range(len(ks))]
+                    if addend is not None:        # summed last: the partial sums' total, then it
+                        reads.append((key(addend.id), s0, s1, c0, c1))
                     stage2.append(TileWork(t, reads, [(key(y.id), s0, s1, c0, c1)], [(
-                        "reduce_f32" + ("_fp8" if epilogue else ""),
-                        [("w", 0, 0), (s1 - s0) * (c1 - c0), len(ks), *epilogue]
-                        + [("r", p, 0) for p in range(len(ks))])]))
+                        "reduce_f32" + suffix,
+                        [("w", 0, 0), (s1 - s0) * (c1 - c0), len(reads), *epilogue]
+                        + [("r", p, 0) for p in range(len(reads))])]))
         if not stage2:
             return Lowering([stage1])
         return Lowering([stage1, stage2], {temp: (len(ks) * m_, n_, "f32")})
@@ -653,14 +762,21 @@ class MatMul(Operator):
     def variants(self, graph, op):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         base = [f"matmul_{a.dtype}_{b.dtype}", "reduce_f32"]
-        return base + [f"{k}_fp8" for k in base] if _folded(op) else base
+        suffix = ("_gelu" if op.attrs.get("activation") else "") + ("_fp8" if _folded(op) else "")
+        return base + [f"{k}{suffix}" for k in base] if suffix else base
 
     def kernels(self):
         out = [_variant(f"matmul_{x}_{w}", "matmul.c", matmul_cycles(x), A_TYPE=TYPE_CODE[x],
                         B_TYPE=TYPE_CODE[w]) for x, w in MATMUL_TYPES]
         out += _matmul_fp8_variants()
+        out += [_variant(f"matmul_{x}_{w}_gelu", "matmul.c", matmul_gelu_cycles(x, False), A_TYPE=TYPE_CODE[x],
+                         B_TYPE=TYPE_CODE[w], GELU=1) for x, w in MATMUL_TYPES]
+        out += [_variant(f"matmul_{x}_{w}_gelu_fp8", "matmul.c", matmul_gelu_cycles(x, True), A_TYPE=TYPE_CODE[x],
+                         B_TYPE=TYPE_CODE[w], GELU=1, FP8_OUT=1) for x, w in MATMUL_TYPES if x in FP8 and w in FP8]
         out.append(_variant("reduce_f32", "reduce.c", reduce_cycles))
         out.append(_variant("reduce_f32_fp8", "reduce.c", reduce_fp8_cycles, FP8_OUT=1))
+        out.append(_variant("reduce_f32_gelu", "reduce.c", reduce_gelu_cycles, GELU=1))
+        out.append(_variant("reduce_f32_gelu_fp8", "reduce.c", reduce_gelu_fp8_cycles, GELU=1, FP8_OUT=1))
         return out
 
 

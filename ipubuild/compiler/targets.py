@@ -285,7 +285,7 @@ def check_table(table: dict, schema: dict[str, Field], where: str, section: str,
 
 _STORAGE_MODES = ("separate", "inplace")
 #: built-in operators a cast can be folded into (``casts.fuse`` chooses among them)
-CAST_FUSIBLE = ("attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows")
+CAST_FUSIBLE = ("attention_context", "gelu", "layernorm", "matmul", "patchify", "slice_rows", "softmax")
 
 CORE_SCHEMA: dict[str, dict[str, Field]] = {
     "target": {

@@ -133,6 +133,21 @@ class Operator:
         honour them, bit-exact with the operation followed by a cast."""
         return False
 
+    def fuses_addend(self, graph, op) -> bool:
+        """Whether an ``add`` of the operation's output and another value of its shape can be
+        folded into it (no separate step, no sync): if so, the ``fold_adds`` pass appends
+        that value to its inputs and sets attribute ``addend``, and ``infer``, ``reference`` and
+        ``lower`` honour it, bit-exact with the operation followed by the add."""
+        return False
+
+    def fuses_activation(self, graph, op, activation: str) -> bool:
+        """Whether the operator ``activation`` (the name of an elementwise operator of one input,
+        e.g. ``"gelu"``) applied to the operation's output can be folded into it (no separate
+        step, no sync): if so, the ``fold_activations`` pass sets attribute ``activation`` on it
+        (and moves a cast folded into the activation to it), and ``infer``, ``reference`` and
+        ``lower`` honour it, bit-exact with the operation followed by the activation."""
+        return False
+
     def tolerance(self, graph, op, inputs: list, outputs: list) -> list:
         """How far the device's outputs may be from ``outputs`` — the reference's on the same
         ``inputs``, before any folded cast (``op`` comes without ``to``/``scale_exp``) —, one

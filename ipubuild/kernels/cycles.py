@@ -25,3 +25,9 @@ def folded_cast(n: int, machine: dict) -> int:
     """A cast to FP8 folded into a kernel, on its ``n`` output elements: the cast's 2 vector flops
     an element (as cast.c's estimator), without a vertex overhead of its own."""
     return ceil_div(n * 2, machine["compute"]["vector_flops_per_cycle"])
+
+
+def folded_gelu(n: int, machine: dict) -> int:
+    """A GELU folded into a kernel, on its ``n`` output elements: gelu.c's 6 vector flops and a
+    tanh an element (as its estimator), without a vertex overhead of its own."""
+    return elementwise(n, 6, 1, machine) - machine["compute"]["vertex_overhead_cycles"]

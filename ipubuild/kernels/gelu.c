@@ -1,7 +1,7 @@
 /* gelu.c -- f32 GELU, tanh approximation.
  *
  * args = [x, y, n]
- *   y = 0.5*x*(1 + tanhf(0.7978845608f*(x + 0.044715f*x*x*x))); y may alias x.
+ *   y = 0.5*x*(1 + tanhf(0.7978845608f*(x + 0.044715f*x*x*x))) (ipu_gelu); y may alias x.
  *
  * With -DFP8_OUT (a cast folded into the activation): args = [x, y, n, out_type,
  * out_scale_exp] and y is FP8 of out_type: y = encode(gelu, out_type, out_scale_exp),
@@ -27,7 +27,7 @@ IPU_VERTEX
 
     for (uint32_t i = 0; i < n; i++) {
         float v = ipu_ld_f32(x + 4u * i);
-        float g = 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+        float g = ipu_gelu(v);
 #ifdef FP8_OUT
         y[i] = ipu_fp8_encode(g, out_type, out_scale);
 #else

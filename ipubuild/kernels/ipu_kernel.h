@@ -111,6 +111,13 @@ static inline float ipu_f32_from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); 
 static inline uint32_t ipu_bits_from_f32(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
 static inline float ipu_ld_f32(const uint8_t *p) { float f; memcpy(&f, p, 4); return f; }
+
+/* The GELU (tanh approximation) every kernel that applies one computes, the same operations in
+ * the same order: gelu.c, and matmul.c / reduce.c with -DGELU (a GELU folded in) */
+static inline float ipu_gelu(float v)
+{
+    return 0.5f * v * (1.0f + tanhf(0.7978845608f * (v + 0.044715f * v * v * v)));
+}
 static inline void ipu_st_f32(uint8_t *p, float f) { memcpy(p, &f, 4); }
 static inline uint16_t ipu_ld_u16(const uint8_t *p) { uint16_t u; memcpy(&u, p, 2); return u; }
 static inline void ipu_st_u16(uint8_t *p, uint16_t u) { memcpy(p, &u, 2); }

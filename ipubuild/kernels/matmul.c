@@ -4,14 +4,21 @@
  * args = [a, b, c, m, k, n, flags, a_scale_exp, b_scale_exp, bias]
  *   B is [k,n] row-major, or [n,k] when flags&1 (its transpose is used).
  *   flags&2: accumulate, c = c + (scaled + bias); otherwise c = scaled + bias.
+ *   flags&4: an addend, args = [.., bias, addend]: c = addend + (scaled + bias), addend the
+ *   address of f32 addend[m,n] (a residual add folded into the product: bit-exact with
+ *   the product followed by add.c). Not with flags&2.
  *   bias != 0: address of f32 bias[n], added once per row after scaling.
  * Each dot product accumulates in f32 over k in index order.
  * Returns 1 for unknown flag bits, 2 if the scratch memory cannot be allocated.
  *
  * With -DFP8_OUT (a cast folded into the product): args gain [.., out_type, out_scale_exp]
  * and c is FP8 of out_type (IPU_F143/IPU_F152): c = encode(scaled + bias, out_type,
- * out_scale_exp), bit-exact with the f32 product followed by cast.c.  flags&2 (accumulate)
- * or another out_type returns 1.
+ * out_scale_exp), bit-exact with the f32 product followed by cast.c.  flags&2 (accumulate),
+ * flags&4 (addend) or another out_type returns 1.
+ *
+ * With -DGELU (a GELU folded into the product, before any cast): c = ipu_gelu(scaled + bias),
+ * as gelu.c computes it (bit-exact with the product followed by gelu.c); flags&2 and
+ * flags&4 return 1.
  *
  * How: A and B are decoded once into f32 scratch (host heap, never tile memory):
  * A as [m,k] rows, B as panels of MM_NR columns ([k][MM_NR] each, so the inner
@@ -34,7 +41,9 @@
 
 #define MM_TRANS_B 1u
 #define MM_ACCUMULATE 2u
+#define MM_ADDEND 4u
 #define MM_NR 8u /* columns of a block: two vectors */
+
 
 /* acc<r><v> += a<r>[p] * b<v> for one step of k (a broadcast, b four columns). */
 #define MM_STEP(r) do { \
@@ -97,16 +106,25 @@ IPU_VERTEX
     const int32_t scale = -((int32_t)args[7] + (int32_t)args[8]);
     const uint8_t *bias = args[9] ? mem + args[9] : 0;
 
-    if (flags & ~(MM_TRANS_B | MM_ACCUMULATE))
+    if (flags & ~(MM_TRANS_B | MM_ACCUMULATE | MM_ADDEND))
         IPU_FAIL(IPU_BAD_ARGS, "unknown flag bits");
+#ifdef GELU
+    if (flags & (MM_ACCUMULATE | MM_ADDEND))
+        IPU_FAIL(IPU_BAD_ARGS, "accumulate or addend with a GELU folded in");
+#endif
 #ifdef FP8_OUT
     const int out_type = (int)args[10];
     const int32_t out_scale = (int32_t)args[11];
-    if ((flags & MM_ACCUMULATE) || !IPU_IS_FP8(out_type))
-        IPU_FAIL(IPU_BAD_ARGS, "accumulating into FP8, or out_type is not an FP8 type");
+    if ((flags & (MM_ACCUMULATE | MM_ADDEND)) || !IPU_IS_FP8(out_type))
+        IPU_FAIL(IPU_BAD_ARGS, "accumulating or adding into FP8, or out_type is not an FP8 type");
     IPU_REQUIRE_BUFFER(args[2], (uint64_t)m * n, 1, "c[m*n]");
 #else
+    if ((flags & MM_ACCUMULATE) && (flags & MM_ADDEND))
+        IPU_FAIL(IPU_BAD_ARGS, "both accumulate and addend");
+    const uint8_t *addend = (flags & MM_ADDEND) ? mem + args[10] : 0;
     IPU_REQUIRE_BUFFER(args[2], 4ull * m * n, 4, "c[m*n]");
+    if (addend)
+        IPU_REQUIRE_BUFFER(args[10], 4ull * m * n, 4, "addend[m*n]");
 #endif
     IPU_REQUIRE_BUFFER(args[0], (uint64_t)m * k * IPU_TYPE_SIZE(A_TYPE), IPU_TYPE_SIZE(A_TYPE), "a[m*k]");
     IPU_REQUIRE_BUFFER(args[1], (uint64_t)k * n * IPU_TYPE_SIZE(B_TYPE), IPU_TYPE_SIZE(B_TYPE), "b[k*n]");
@@ -173,12 +191,17 @@ IPU_VERTEX
                     float v = exact ? out[r][jj] * pow2 : ldexpf(out[r][jj], scale);
                     if (bias)
                         v += ipu_ld_f32(bias + 4u * j);
+#ifdef GELU
+                    v = ipu_gelu(v);
+#endif
 #ifdef FP8_OUT
                     c[(i0 + r) * n + j] = ipu_fp8_encode(v, out_type, out_scale);
 #else
                     uint8_t *cp = c + 4u * ((i0 + r) * n + j);
                     if (flags & MM_ACCUMULATE)
                         v = ipu_ld_f32(cp) + v;
+                    else if (addend)
+                        v = ipu_ld_f32(addend + 4u * ((i0 + r) * n + j)) + v;
                     ipu_st_f32(cp, v);
 #endif
                 }

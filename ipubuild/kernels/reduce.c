@@ -7,6 +7,9 @@
  * With -DFP8_OUT (a cast folded into the sum): args = [dst, n, count, out_type,
  * out_scale_exp, src_0, ...] and dst[i] = encode(sum, out_type, out_scale_exp) (FP8 codes),
  * bit-exact with the f32 sum followed by cast.c; another out_type returns 1.
+ *
+ * With -DGELU (a GELU folded into the sum, before any cast): dst[i] = ipu_gelu(sum), as
+ * gelu.c computes it, bit-exact with the sum followed by gelu.c.
  */
 #include "ipu_kernel.h"
 
@@ -36,6 +39,9 @@ IPU_VERTEX
         float acc = ipu_ld_f32(mem + srcs[0] + 4u * i);
         for (uint32_t s = 1; s < count; s++)
             acc += ipu_ld_f32(mem + srcs[s] + 4u * i);
+#ifdef GELU
+        acc = ipu_gelu(acc);
+#endif
 #ifdef FP8_OUT
         dst[i] = ipu_fp8_encode(acc, out_type, out_scale);
 #else

@@ -2,7 +2,7 @@
 editing this file re-runs."""
 from __future__ import annotations
 
-from .cycles import elementwise, folded_cast
+from .cycles import elementwise, folded_cast, folded_gelu
 
 
 def reduce(args, machine):
@@ -13,3 +13,13 @@ def reduce(args, machine):
 def reduce_fp8(args, machine):
     """``-DFP8_OUT``: the sum, and a cast folded in on its ``n`` outputs."""
     return reduce(args, machine) + folded_cast(args[1], machine)
+
+
+def reduce_gelu(args, machine):
+    """``-DGELU``: the sum, then a GELU folded in on its ``n`` outputs."""
+    return reduce(args, machine) + folded_gelu(args[1], machine)
+
+
+def reduce_gelu_fp8(args, machine):
+    """``-DGELU -DFP8_OUT``: the sum, a GELU and a cast folded in on its ``n`` outputs."""
+    return reduce_fp8(args, machine) + folded_gelu(args[1], machine)
