@@ -181,3 +181,30 @@ def test_insert_replace_uses_and_replace_op():
     with pytest.raises(UserError, match="operation b"):
         g.replace_op(g.ops[2], "cast", [scaled], to="nope")
     g.validate()
+
+
+def test_fold_adds_folds_a_chain_of_adds_in_one_run():
+    """An add whose operand another fold just made (``r + mm0``, then that sum ``+ mm1``) folds
+    too: each product takes its add, in one run, and the reference is the same bits."""
+    from ipubuild.builtin.passes import fold_adds
+    from ipubuild.graph import reference
+
+    def chain():
+        g = Graph()
+        x = g.input("x", (4, 8))
+        w = g.constant("w", (8, 8))
+        mm0 = g.add("matmul", [x, w], name="mm0")
+        mm1 = g.add("matmul", [x, w], name="mm1")
+        s0 = g.add("add", [x, mm0], name="s0")
+        g.outputs = [g.add("add", [s0, mm1], name="s1")]
+        r = np.random.default_rng(0)
+        return Model(g, {w: r.standard_normal((8, 8)).astype(np.float32)},
+                     {x: r.standard_normal((4, 8)).astype(np.float32)})
+    plain, folded = chain(), chain()
+    fold_adds(folded, {})
+    g = folded.graph
+    g.validate()
+    assert [(o.name, o.attrs.get("addend")) for o in g.ops] == [("mm0", True), ("mm1", True)]
+    want = reference.evaluate(plain.graph, plain.constants, plain.inputs)
+    got = reference.evaluate(g, folded.constants, folded.inputs)
+    np.testing.assert_array_equal(got[g.outputs[0]], want[plain.graph.outputs[0]])

@@ -48,7 +48,7 @@ def _candidates(graph, count: int, seed: int):
 def test_a_resumed_program_is_the_program_a_fresh_build_makes(graph, seed):
     machine = load_machine(targets.load_target(str(ROOT / "targets" / "vit_fp8.toml"))["target"]["machine"])
     resolver = PlanResolver(graph, TILES)
-    resumed = 0                                # operations taken from a kept build, not lowered again
+    resumed = compared = 0                     # operations taken from a kept build, not lowered again
     for layout in _candidates(graph, 24, seed):
         by_op = resolver.resolve(layout)
         resumed += max((b.common([by_op[op.id] for op in graph.ops]) for b in resolver.builds), default=0)
@@ -61,11 +61,12 @@ def test_a_resumed_program_is_the_program_a_fresh_build_makes(graph, seed):
             continue
         fresh = build_program(graph, layout, TILES, PlanResolver(graph, TILES))
         assert program_blob(got) == program_blob(fresh)
+        compared += 1
         # its cost too: each step's compute is memoised by the step, which resumed programs share
         zeros = [0] * len(got["steps"])
         assert program_cost(got, zeros, machine) == program_cost(fresh, zeros, machine)
         assert len(resolver.builds) <= KEPT_BUILDS
-    assert resumed >= 24 * len(graph.ops) // 4     # a quarter of the work resumed (about a third here)
+    assert compared >= 16 and resumed >= 24 * len(graph.ops) // 4     # a quarter resumed (a third here)
 
 
 def test_a_layout_built_again_resumes_at_its_end_and_keeps_one_build(graph):

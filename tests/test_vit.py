@@ -300,6 +300,13 @@ def test_the_gelu_folds_into_its_matmul_with_its_cast_bit_exact(target):
     assert_same_bits(fused, plain)
 
 
+def test_the_gelu_stays_where_its_cast_could_not_move_into_the_matmul(target):
+    """``[casts] fuse`` without matmul: the GELU keeps its folded cast, and so stays."""
+    fused = build(target, lambda t: (t["casts"].update(fuse=["gelu"]), t["model"].update(passes=["fold_activations"])))
+    ops = {o.name: o for o in fused.graph.ops}
+    assert ops["block0.gelu"].attrs["to"] == "f143" and "activation" not in ops["block0.fc1"].attrs
+
+
 def test_a_residual_add_is_not_folded_where_the_product_has_another_reader(target):
     from ipubuild.builtin.passes import fold_adds
     m = build(target)

@@ -5,6 +5,7 @@ before it. (The cast stage's ``fold_casts`` lives with the cast policies, in ``c
 from __future__ import annotations
 
 from .. import hookimpl
+from ..compiler.targets import CAST_FUSIBLE
 from ..graph.operators import registry
 from ..graph.passes import GraphPass, prune
 
@@ -47,6 +48,8 @@ def fold_adds(model, target) -> None:
             p.attrs["addend"] = True
             p.outputs = list(add.outputs)
             folded.append(add)
+            producer[add.outputs[0]] = p          # an add reading the sum may fold into p's reader
+            readers[other] = [p if r is add else r for r in readers[other]]
             break
     if folded:
         g.ops = [op for op in g.ops if all(op is not a for a in folded)]
@@ -56,12 +59,14 @@ def fold_adds(model, target) -> None:
 def fold_activations(model, target) -> None:
     """Fold each GELU into the operation that produces its input, where that operation can
     apply it (``Operator.fuses_activation``) and nothing else reads its output: one step and one
-    sync fewer. A cast folded into the GELU moves with it. Bit-exact: the operation computes the
+    sync fewer. A cast folded into the GELU moves with it (where ``[casts] fuse`` lets that
+    operator write FP8, and it can; else the GELU stays). Bit-exact: the operation computes the
     GELU as the gelu kernel does. Not a default: it changes ViT-B/16's graph, and the greedy
     initial placement there is sensitive to any change of the operations' count (their code
     budgets are shares of the operations placed)."""
     g = model.graph
     reg = registry()
+    fuse = set(target.get("casts", {}).get("fuse", CAST_FUSIBLE))
     producer, readers = g.producer(), g.consumers()
     folded = []
     for act in g.ops:
@@ -73,6 +78,8 @@ def fold_activations(model, target) -> None:
                 or g.values[vid].shape != g.values[act.outputs[0]].shape \
                 or not reg.get(p.type).fuses_activation(g, p, act.type):
             continue
+        if "to" in act.attrs and (p.type not in fuse or not reg.get(p.type).fuses_cast(g, p, act.attrs["to"])):
+            continue                  # the GELU's folded cast could not move with it
         p.attrs["activation"] = act.type
         if "to" in act.attrs:
             p.attrs.update(to=act.attrs["to"], scale_exp=act.attrs.get("scale_exp", 0))
