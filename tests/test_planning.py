@@ -617,3 +617,26 @@ def test_resolving_a_schedule_places_every_buffer_at_its_address():
     assert any(len(e) > 8 for e in want)           # a broadcast among them
     with pytest.raises(KeyError):
         exchange.resolve(exchange.scheduled(sched), {"0": {"o1": 100}, "1": {"g2": 200}, "2": {"g3": 400}})
+
+
+def test_a_grids_estimate_counts_what_is_folded_into_the_matmul(vit_graph):
+    """``gridplan.grid_cost`` of vit_fp8's fc1 (a GELU folded in) and fc2 (an addend) exceeds
+    that of the same product without them by a cycle an element of the kernel that writes the
+    result at the least (the GELU's compute; the addend's 4 bytes received at 4 a cycle), on
+    every grid, split-K or not."""
+    from ipubuild.compiler.gridplan import grid_cost
+    ops = {op.name: op for op in vit_graph.ops}
+    fc1, fc2 = ops["block0.fc1"], ops["block0.fc2"]
+    assert fc1.attrs.get("activation") == "gelu" and fc2.attrs.get("addend")
+    for op in (fc1, fc2):
+        plain = copy.deepcopy(op)
+        for k in ("activation", "addend", "to", "scale_exp"):
+            plain.attrs.pop(k, None)
+        plans = [p for p in registry().get("matmul").plans(vit_graph, op, 64) if p["k"] in (1, 4)]
+        assert {p["k"] for p in plans} == {1, 4}
+        m_, n_ = vit_graph.values[op.outputs[0]].shape
+        for p in plans:
+            rows, cols = -(-m_ // p["m"]), -(-n_ // p["n"])
+            written = (rows if p["k"] == 1 else -(-rows // p["k"])) * cols
+            more = grid_cost(vit_graph, op, p, MACHINE)[0] - grid_cost(vit_graph, plain, p, MACHINE)[0]
+            assert more >= written, (op.name, p, more, written)

@@ -15,7 +15,8 @@ from ..graph.operators import ceil_div
 
 def grid_cost(graph, op, plan: dict, machine: dict) -> tuple[int, int]:
     """(estimated cycles, bytes of weights held in all) of matmul ``op`` on grid ``plan``
-    (``{"m", "n", "k"}``)."""
+    (``{"m", "n", "k"}``), with what is folded into it: a GELU or a cast in its last kernel, an
+    addend received where the sum is written."""
     from ..graph.operators import registry
     a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
     m_, k_, n_ = a.shape[0], a.shape[1], b.shape[1]
@@ -23,18 +24,23 @@ def grid_cost(graph, op, plan: dict, machine: dict) -> tuple[int, int]:
     x = machine["exchange"]
     rows, depth, cols = ceil_div(m_, m), ceil_div(k_, k), ceil_div(n_, n)
     kernels = registry().kernels
-    name = f"matmul_{a.dtype}_{b.dtype}"
+    suffix = ("_gelu" if op.attrs.get("activation") else "") + ("_fp8" if op.attrs.get("to") else "")
+    addend = bool(op.attrs.get("addend"))
+    name = f"matmul_{a.dtype}_{b.dtype}" + (suffix if k == 1 else "")
     # stage 1: the activation block (a transfer per row unless it spans whole rows), the product
-    a_bytes = rows * depth * a.itemsize
-    setup = x["transfer_setup_cycles"] * (1 if k == 1 else rows)
+    a_bytes = rows * depth * a.itemsize + (rows * cols * 4 if addend and k == 1 else 0)
+    setup = x["transfer_setup_cycles"] * (1 if k == 1 and not addend else rows)
+    flags = 4 if addend and k == 1 else 0
     cycles = setup + ceil_div(a_bytes, x["bytes_per_cycle"]) \
-        + int(kernels[name].cycles([0, 0, 0, rows, depth, cols, 0, 0, 0, 0], machine)) + x["sync_cycles"]
+        + int(kernels[name].cycles([0, 0, 0, rows, depth, cols, flags, 0, 0, 0], machine)) + x["sync_cycles"]
     if k > 1:
-        # stage 2: each K-slice tile sums a 1/k row share of the block's k partial sums
+        # stage 2: each K-slice tile sums a 1/k row share of the block's k partial sums (and
+        # the addend's share)
         share = ceil_div(rows, k)
         part = share * cols * 4
-        cycles += x["transfer_setup_cycles"] * (k - 1) * share + ceil_div((k - 1) * part, x["bytes_per_cycle"]) \
-            + int(kernels["reduce_f32"].cycles([0, share * cols, k], machine)) + x["sync_cycles"]
+        terms = k + addend
+        cycles += x["transfer_setup_cycles"] * (terms - 1) * share + ceil_div((terms - 1) * part, x["bytes_per_cycle"]) \
+            + int(kernels["reduce_f32" + suffix].cycles([0, share * cols, terms], machine)) + x["sync_cycles"]
     held = m * k_ * n_ * b.itemsize if op.inputs[1] in graph.constants else 0
     return cycles, held
 
