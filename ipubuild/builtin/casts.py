@@ -14,7 +14,7 @@ from ..graph import fp8
 from .. import hookimpl
 from ..graph.ir import FP8, CastStoragePolicy, Graph, Op
 from ..graph.operators import registry
-from ..graph.passes import GraphPass, prune
+from ..graph.passes import GraphPass, remove
 from ..compiler.targets import CAST_FUSIBLE
 
 #: operators whose listed inputs are cast to FP8 (by input position)
@@ -98,8 +98,7 @@ def fold_casts(model, target) -> None:
     for cast in folded:
         g.replace_uses(cast.outputs[0], cast.inputs[0])
     if folded:
-        g.ops = [op for op in g.ops if all(op is not c for c in folded)]
-        prune(model)
+        remove(model, folded)
         g.infer()
 
 

@@ -333,19 +333,22 @@ class Softmax(RowwiseOperator):
                 _variant("softmax_f32_fp8", "softmax.c", softmax_fp8_cycles, FP8_OUT=1)]
 
 
-def _gelu(x):
-    """gelu.c's GELU (tanh approximation) on the host, in f32."""
+def _gelu_tanh(x):
+    """The tanh of gelu.c's GELU (tanh approximation), in f32."""
     c = np.float32(0.7978845608)
-    t = hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x))
-    return (np.float32(0.5) * x * (np.float32(1) + t)).astype(np.float32)
+    return hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x))
+
+
+def _gelu(x):
+    """gelu.c's GELU on the host, in f32."""
+    return (np.float32(0.5) * x * (np.float32(1) + _gelu_tanh(x))).astype(np.float32)
 
 
 def _gelu_tolerance(x, out):
     """The argument of tanh is computed the same way on both sides; tanh's last bits differ
     (``LIBM_ULPS`` ulps each), then ``1 + t`` and the product round once more each."""
     x = np.asarray(x, np.float32)
-    c = np.float32(0.7978845608)
-    t = _abs(hostmath.tanh(c * (x + np.float32(0.044715) * x * x * x)))
+    t = _abs(_gelu_tanh(x))
     half = 0.5 * _abs(x)
     return half * (2 * LIBM_ULPS * 2 * U * t + 2 * U * (1 + t)) + 2 * U * _abs(out) + TINY
 
@@ -592,6 +595,12 @@ def _matmul_reference(a, av, b, bv, trans_b=False):
     return (out * 2.0 ** -(av.scale_exp + bv.scale_exp)).astype(np.float32)
 
 
+def _matmul_suffix(op) -> str:
+    """The suffix of the kernels that write a matmul's result: ``_gelu`` with a GELU folded in,
+    ``_fp8`` with a cast."""
+    return ("_gelu" if op.attrs.get("activation") else "") + ("_fp8" if _folded(op) else "")
+
+
 def _matmul_operands(op) -> tuple[int, int, int | None, int | None]:
     """A matmul's ``(a, b, bias, addend)`` value ids: inputs ``[a, b]``, then the bias if any,
     then the addend if ``attrs["addend"]`` (a residual add folded in)."""
@@ -718,7 +727,7 @@ class MatMul(Operator):
         rows, cols, ks = split(m_, plan["m"]), split(n_, plan["n"]), split(k_, plan["k"])
         kname = f"matmul_{a.dtype}_{b.dtype}"
         epilogue = _epilogue(op)
-        suffix = ("_gelu" if op.attrs.get("activation") else "") + ("_fp8" if epilogue else "")
+        suffix = _matmul_suffix(op)
         temp = f"t{op.id}.0"
         stage1, stage2 = [], []
         for i, (r0, r1) in enumerate(rows):
@@ -762,7 +771,7 @@ class MatMul(Operator):
     def variants(self, graph, op):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
         base = [f"matmul_{a.dtype}_{b.dtype}", "reduce_f32"]
-        suffix = ("_gelu" if op.attrs.get("activation") else "") + ("_fp8" if _folded(op) else "")
+        suffix = _matmul_suffix(op)
         return base + [f"{k}{suffix}" for k in base] if suffix else base
 
     def kernels(self):

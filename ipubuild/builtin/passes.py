@@ -7,7 +7,7 @@ from __future__ import annotations
 from .. import hookimpl
 from ..compiler.targets import CAST_FUSIBLE
 from ..graph.operators import registry
-from ..graph.passes import GraphPass, prune
+from ..graph.passes import GraphPass, prune, remove
 
 
 def prune_model(model, target) -> None:
@@ -51,9 +51,7 @@ def fold_adds(model, target) -> None:
             producer[add.outputs[0]] = p          # an add reading the sum may fold into p's reader
             readers[other] = [p if r is add else r for r in readers[other]]
             break
-    if folded:
-        g.ops = [op for op in g.ops if all(op is not a for a in folded)]
-        prune(model)
+    remove(model, folded)
 
 
 def fold_activations(model, target) -> None:
@@ -85,9 +83,7 @@ def fold_activations(model, target) -> None:
             p.attrs.update(to=act.attrs["to"], scale_exp=act.attrs.get("scale_exp", 0))
         p.outputs = list(act.outputs)
         folded.append(act)
-    if folded:
-        g.ops = [op for op in g.ops if all(op is not a for a in folded)]
-        prune(model)
+    remove(model, folded)
 
 
 @hookimpl

@@ -119,6 +119,16 @@ def _owner(pm, name: str) -> str:
     return "(unknown)"
 
 
+def remove(model, ops) -> None:
+    """Remove ``ops`` from the model's graph (a fold that moved their work into other
+    operations), then ``prune`` what they leave unused; with no ``ops``, nothing."""
+    if not ops:
+        return
+    gone = {id(op) for op in ops}
+    model.graph.ops = [op for op in model.graph.ops if id(op) not in gone]
+    prune(model)
+
+
 def prune(model) -> int:
     """Remove the operations nothing reads (whose outputs are no graph output), then the
     constants and values nothing uses, renumbering values in their order (graph inputs stay);
