@@ -201,6 +201,50 @@ def _all_bytes(root: Path) -> bytes:
     return b"".join(p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file())
 
 
+def test_a_large_blob_is_written_in_chunks_not_line_by_line(store, monkeypatch):
+    """diskcache writes a bytes value line by line (one write per newline byte): a planning
+    artifact of int32 arrays has millions. The store hands it a reader instead."""
+    import builtins
+    import diskcache.core
+    writes = []
+
+    class Counted:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, chunk):
+            writes.append(len(chunk))
+            return self.f.write(chunk)
+
+    monkeypatch.setattr(diskcache.core, "open", lambda *a, **k: Counted(builtins.open(*a, **k)), raising=False)
+    data = b"\n" * (1 << 20)
+    key = store.put(data)
+    pinned = store.put(data + b"pinned", pin=True)
+    monkeypatch.undo()
+    assert len(writes) == 2 and sum(writes) == 2 * len(data) + 6
+    assert store.get(key) == data and store.get(pinned) == data + b"pinned"
+
+
+def test_a_pinned_blob_is_read_back_once_a_process(store, monkeypatch):
+    """A search puts the same sub-phase inputs for every candidate: the stored copy is checked
+    the first time, not read and hashed again each time."""
+    key = store.put(b"a phase's transfers", pin=True)
+    fresh = Store(store.root)
+    reads = []
+    real = fresh._read
+    monkeypatch.setattr(fresh, "_read", lambda name, k: reads.append(k) or real(name, k))
+    for _ in range(3):
+        assert fresh.put(b"a phase's transfers", pin=True) == key
+    assert reads == ["pin:" + key] and fresh.holds_pinned(key)
+    fresh.close()
+
+
 def test_values_are_stored_raw_not_pickled(store, tmp_path):
     marker = b"RAW-MARKER-\x00\x01-" + os.urandom(8).hex().encode()
     small_key = store.put(marker)
