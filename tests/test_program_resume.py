@@ -7,6 +7,7 @@ import copy
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ipubuild import frontend, plugins, targets
@@ -111,3 +112,25 @@ def test_a_steps_compute_is_the_machines_it_is_asked_for(graph):
     fast = [step_compute(s, faster) for s in program["steps"]]
     assert slow != fast and slow == [step_compute(s, machine) for s in program["steps"]]
     assert fast == [step_compute(s, copy.deepcopy(faster)) for s in program["steps"]]
+
+
+def test_a_steps_renumbered_transfers_are_memoised_by_the_array_not_its_address():
+    """Both phases that read a step's transfers renumber and hash them once per array; an array
+    made later at a freed array's address is never taken for it."""
+    import gc
+    from ipubuild.compiler.planning import exchange, phases
+    from ipubuild.engine import canonical
+    rows = lambda k: np.arange(40, dtype=np.int32).reshape(4, 10) * k        # noqa: E731
+    a = rows(1)
+    first = phases._renumbered(a)
+    assert phases._renumbered(a) is first
+    digests = {first.digest[0]}
+    for k in range(2, 40):        # freed and remade: CPython reuses the address
+        del a
+        gc.collect()
+        a = rows(k)
+        step = phases._renumbered(a)
+        renamed, codes = exchange.renumbered(a)
+        assert step.digest[0] == canonical.digest(np.ascontiguousarray(renamed)) and np.array_equal(step.codes, codes)
+        digests.add(step.digest[0])
+    assert len(digests) == 39

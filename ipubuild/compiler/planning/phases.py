@@ -9,6 +9,8 @@ then ``host_program`` and the package. See ``docs/architecture.md`` for the pict
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ...graph import tensors
@@ -65,8 +67,8 @@ def _step_table(transfers: np.ndarray, tiles: int) -> np.ndarray:
     the bytes of the transfers ``renumbered``: a search candidate shares most steps with its
     incumbent, up to the buffers' numbers (on ViT-B/16 the grouping is 3 s of a candidate), and
     forked workers inherit the parent's."""
-    renamed, _ = exchange.renumbered(transfers)         # the same sizes whatever the buffers' numbers
-    key = (canonical.digest(np.ascontiguousarray(renamed)), renamed.dtype.str, renamed.shape, tiles)
+    step = _renumbered(transfers)                       # the same sizes whatever the buffers' numbers
+    key = (step.digest, tiles)
     found = _step_tables.get(key)
     if found is None:
         entry = codegen.exchange_bytes(1, 0) - codegen.exchange_bytes(0, 0)
@@ -85,6 +87,39 @@ def _step_table(transfers: np.ndarray, tiles: int) -> np.ndarray:
 
 
 _step_tables: dict = {}
+
+
+class _Step:
+    """What both phases that read a step's transfers derive from them: the digest of their
+    ``exchange.renumbered`` rows (with dtype and shape), the buffer codes those stand for, and
+    once made, the digest of the sub-phase input that holds them (``schedule_exchange_phase``'s)."""
+
+    __slots__ = ("ref", "digest", "codes", "input")
+
+    def __init__(self, transfers):
+        renamed, self.codes = exchange.renumbered(transfers)
+        self.ref = weakref.ref(transfers)
+        self.digest = (canonical.digest(np.ascontiguousarray(renamed)), renamed.dtype.str, renamed.shape)
+        self.input = None
+
+
+def _renumbered(transfers: np.ndarray) -> _Step:
+    """``_Step`` of a step's transfers, memoised by the array itself (held weakly, never
+    mutated): a search candidate's program shares most of its steps with the build it
+    resumed, and renumbering and hashing every step's transfers again was 2-3 s of a ViT-B/16
+    candidate."""
+    if not isinstance(transfers, np.ndarray):
+        return _Step(np.asarray(transfers))
+    found = _steps.get(id(transfers))
+    if found is None or found.ref() is not transfers:
+        found = _Step(transfers)
+        if len(_steps) >= 4096:
+            _steps.clear()
+        _steps[id(transfers)] = found
+    return found
+
+
+_steps: dict[int, _Step] = {}
 
 
 def _steps_by_tile(program) -> dict[str, list]:
@@ -165,10 +200,12 @@ def schedule_provisional_exchanges(ctx):
             out.append(exchange.no_schedule())
             continue
         # renumbered: the same step after a change upstream (which renumbers buffers) is reused
-        canonical_transfers, codes = exchange.renumbered(step["transfers"])
-        transfers = ctx.engine.put(to_plan_blob(canonical_transfers, ((),)), pin=True)
-        r = ctx.engine.run("schedule_exchange_phase", {"transfers": transfers, "machine": ctx.digest("machine")}, {})
-        sched = exchange.restore_buffers(ctx.engine.decoded(r.outputs["schedule"]), codes)
+        known = _renumbered(step["transfers"])
+        if known.input is None or not ctx.engine.store.holds_pinned(known.input):
+            canonical_transfers, _ = exchange.renumbered(step["transfers"])
+            known.input = ctx.engine.put(to_plan_blob(canonical_transfers, ((),)), pin=True)
+        r = ctx.engine.run("schedule_exchange_phase", {"transfers": known.input, "machine": ctx.digest("machine")}, {})
+        sched = exchange.restore_buffers(ctx.engine.decoded(r.outputs["schedule"]), known.codes)
         if r.hit:
             log.info("reused exchange optimization after validating relocated rows", phase=s)
         else:
