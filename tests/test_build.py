@@ -58,12 +58,22 @@ def test_build_passes_and_profile_equals_cost_model(tmp_path, monkeypatch):
     assert (tree / "artifacts" / "small" / "small.ipuexe").stat().st_size > 0
 
 
+@pytest.fixture(params=["C", "numpy"])
+def exchange_form(request, monkeypatch):
+    """Each exchange test runs on the simulator's C copier and on its numpy form."""
+    from ipubuild.builtin import exchange_copy
+    monkeypatch.setenv("IPUBUILD_NATIVE_SIM_EXCHANGE", "1" if request.param == "C" else "0")
+    if request.param == "C" and exchange_copy.library() is None:
+        pytest.fail("the simulator's exchange copier does not compile here")
+    return request.param
+
+
 def tile_memory(*rows):
     """The simulator's memory (one row per loaded tile) and its tile-to-row map (tile i on row i)."""
     return np.stack(rows), np.arange(len(rows))
 
 
-def test_exchange_copies_exactly_what_the_tables_say():
+def test_exchange_copies_exactly_what_the_tables_say(exchange_form):
     rng = np.random.default_rng(0)
     memory, row_of = tile_memory(*(rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(4)))
     before = memory.copy()
@@ -80,7 +90,7 @@ def test_exchange_copies_exactly_what_the_tables_say():
     assert np.array_equal(memory, want)
 
 
-def test_a_broadcast_copies_the_same_rows_to_every_destination():
+def test_a_broadcast_copies_the_same_rows_to_every_destination(exchange_form):
     rng = np.random.default_rng(1)
     memory, row_of = tile_memory(*(rng.integers(0, 256, 4096, dtype=np.uint8) for _ in range(5)))
     before = memory.copy()
@@ -96,13 +106,13 @@ def test_a_broadcast_copies_the_same_rows_to_every_destination():
     assert np.array_equal(memory, want)
 
 
-def test_a_broadcast_out_of_range_is_an_error():
+def test_a_broadcast_out_of_range_is_an_error(exchange_form):
     memory, row_of = tile_memory(np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
     with pytest.raises(UserError, match="tile 1 address 60 is out of range"):
         run_exchange(memory, row_of, [[0, 0, 8, 1, 0, 8, 1, 8, 1, 60, 8]])
 
 
-def test_exchange_reads_before_it_writes():
+def test_exchange_reads_before_it_writes(exchange_form):
     memory, row_of = tile_memory(np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
     # swap two halves of tile 0 in one phase
     run_exchange(memory, row_of, [[0, 0, 32, 0, 32, 32, 1, 32], [0, 32, 32, 0, 0, 32, 1, 32]])
@@ -112,7 +122,7 @@ def test_exchange_reads_before_it_writes():
 @pytest.mark.parametrize("entry", [[0, 0, 32, 0, 40, 32, 1, 32],     # past the end of tile memory
                                    [0, 0, 8, 1, 0, 8, 1, 8],         # to a tile that is not loaded
                                    [5, 0, 8, 0, 0, 8, 1, 8]])        # from a tile the machine lacks
-def test_exchange_out_of_range_is_an_error(entry):
+def test_exchange_out_of_range_is_an_error(entry, exchange_form):
     memory, _ = tile_memory(np.zeros(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
     row_of = np.array([0, -1, 1])
     before = memory.copy()
@@ -121,11 +131,47 @@ def test_exchange_out_of_range_is_an_error(entry):
     assert np.array_equal(memory, before)
 
 
-def test_exchange_writing_a_byte_twice_is_an_error():
+def test_exchange_writing_a_byte_twice_is_an_error(exchange_form):
     memory, row_of = tile_memory(np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8))
     with pytest.raises(UserError, match="write the same bytes"):
         run_exchange(memory, row_of, [[0, 0, 16, 1, 0, 16, 2, 16], [0, 40, 8, 1, 20, 8, 1, 8]])
     assert not memory[1].any()
+
+
+def _random_phase(rng, tiles: int, size: int, entries: int):
+    """A phase's entries of random shapes; whether two of them write one byte is left to chance."""
+    out = []
+    for _ in range(entries):
+        rows, rb = int(rng.integers(0, 6)), int(rng.integers(0, 40))
+        ss, ds = rb + int(rng.integers(0, 9)), rb + int(rng.integers(0, 9))
+        reach = max(0, (rows - 1)) * max(ss, ds) + rb
+        out.append([int(rng.integers(0, tiles)), int(rng.integers(0, size - reach)), ss,
+                    int(rng.integers(0, tiles)), int(rng.integers(0, size - reach)), ds, rows, rb])
+    return out
+
+
+def test_the_c_copier_does_what_the_numpy_form_does(monkeypatch):
+    """Random phases, some writing a byte twice: the same memory after, or the same error."""
+    from ipubuild.builtin import exchange_copy
+    if exchange_copy.library() is None:
+        pytest.fail("the simulator's exchange copier does not compile here")
+    rng = np.random.default_rng(7)
+    outcomes = set()
+    for trial in range(200):
+        memory, row_of = tile_memory(*(rng.integers(0, 256, 512, dtype=np.uint8) for _ in range(3)))
+        entries = _random_phase(rng, 3, 512, int(rng.integers(1, 8)))
+        results = []
+        for switch in ("1", "0"):
+            monkeypatch.setenv("IPUBUILD_NATIVE_SIM_EXCHANGE", switch)
+            mem = memory.copy()
+            try:
+                run_exchange(mem, row_of, entries)
+                results.append(("done", mem.tobytes()))
+            except UserError as exc:
+                results.append((str(exc), mem.tobytes()))
+        assert results[0] == results[1], entries
+        outcomes.add(results[0][0] == "done")
+    assert outcomes == {True, False}          # both kinds of phase were met
 
 
 def test_kernel_loop_through_doit(tmp_path):

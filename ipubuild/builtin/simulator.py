@@ -7,8 +7,9 @@ phase by phase: the exchange copies exactly what the tables say, then every tile
 the compiled C kernels with pointers into that tile's memory, then a sync. Cycles come from the
 kernels' estimators and the exchange horizons, as in the cost model.
 
-The used tiles' memories are the rows of one array, so that an exchange phase is a few gathers
-and scatters over it (one per row length); each step's vertex calls, their cycles and the
+The used tiles' memories are the rows of one array, over which an exchange phase's rows are
+copied in C (``exchange_copy``; numpy gathers and scatters where no compiler works); each
+step's vertex calls, their cycles and the
 exchange horizons are worked out once, when the package is loaded, and the vertices of a step
 run on a few threads (tiles share no memory, so the results do not depend on it).
 
@@ -44,6 +45,7 @@ from ..graph.operators import registry
 from ..device.package import validated
 from ..compiler.planning import codegen, exchange
 from ..compiler.planning.storage import tile_ranges
+from . import exchange_copy
 
 DTYPES = {"f32": np.float32, "f16": np.float16, "f143": np.uint8, "f152": np.uint8}
 MAX_FAILURES = 16      # failures the profile lists (it counts them all)
@@ -379,17 +381,33 @@ def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
     e = entries if isinstance(entries, np.ndarray) else unicast(entries)
     if not len(e):
         return
+    done = exchange_copy.copy_phase(memory, row_of, e)
+    if done is False:
+        done = _copy_phase(memory, row_of, e)
+    if done is None:
+        return
+    what, i = done
+    if what == "range":
+        side = 3 * (i >= len(e))
+        tile, addr = e[i % len(e), side:side + 2].tolist()
+        raise UserError("package", f"exchange entry to or from tile {tile} address {addr} "
+                        "is out of range: the package is corrupt")
+    raise UserError("package", "two exchange entries of one phase write the same bytes: "
+                    "the package is corrupt")
+
+
+def _copy_phase(memory: np.ndarray, row_of: np.ndarray, e: np.ndarray):
+    """``exchange_copy.copy_phase`` with numpy (where no C compiler works): gathers and
+    scatters over one index per row copied."""
     st, sa, ss, dt, da, ds, rows, rb = e.T
     size = memory.shape[1]
     ends = []
-    for tile, addr, stride in ((st, sa, ss), (dt, da, ds)):
+    for side, (tile, addr, stride) in enumerate(((st, sa, ss), (dt, da, ds))):
         known = (tile >= 0) & (tile < len(row_of))
         row = np.where(known, row_of[np.where(known, tile, 0)], -1)
         bad = (row < 0) | (addr < 0) | (addr + (rows - 1) * stride + rb > size)
         if bad.any():
-            i = int(np.argmax(bad))
-            raise UserError("package", f"exchange entry to or from tile {int(tile[i])} address {int(addr[i])} "
-                            "is out of range: the package is corrupt")
+            return ("range", side * len(e) + int(np.argmax(bad)))
         ends.append(row * size + addr)
     # one record per row copied: flat source and destination offsets, and its length
     live = (rows > 0) & (rb > 0)
@@ -401,8 +419,7 @@ def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
     length = rb[entry]
     order = np.argsort(dst, kind="stable")
     if np.any(dst[order][1:] < (dst + length)[order][:-1]):
-        raise UserError("package", "two exchange entries of one phase write the same bytes: "
-                        "the package is corrupt")
+        return ("overlap", -1)
     flat = memory.reshape(-1)
     # rows whose offsets and length are multiples of 8 move as 8-byte words, the rest as bytes;
     # the rows of one length n move as rows of a view whose row i is the n units from unit i
@@ -419,6 +436,7 @@ def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
             moves.append((window, d_units[rows_n], window[s_units[rows_n]]))
     for window, rows_at, data in moves:
         window[rows_at] = data
+    return None
 
 
 def data_ranges(machine: dict, segments: list) -> list[list[int]]:
