@@ -310,13 +310,25 @@ class Estimator:
         far = ~local
         cycles = setup[far] - (-nbytes[far] // x["bytes_per_cycle"])
         port.add("recv", dst[far], cycles, nbytes[far])
-        # one send per distinct fragment (source tile, stored block, intersection, rows), told
-        # apart by a hash of its fields (np.unique over rows would cost more than the rest)
-        key = row_keys(np.stack([src, *sb.T, ir0, ir1, ic0, ic1, rows], axis=1)[far])
+        # one send per distinct fragment: the stored block it comes from (which fixes the
+        # source tile), the intersection and whether its rows coalesce
+        key = _fragment_keys(si[far], ir0[far], ir1[far], ic0[far], ic1[far], whole[far], len(s_blks))
         _, first, receivers = np.unique(key, return_index=True, return_counts=True)
         port.add("send", src[far][first], cycles[first], nbytes[far][first])
         # the sender's table: an entry per fragment, and each of its receivers
         np.add.at(port.table, src[far][first], 28 + 12 * receivers)
+
+
+def _fragment_keys(stored, r0, r1, c0, c1, whole, n_stored: int) -> np.ndarray:
+    """One int64 per fragment, equal for equal fields: the fields in mixed radix when they fit
+    (exact, and cheaper than hashing stacked rows: a third of the initial placement's time on
+    ViT-B/16), else ``row_keys`` of them."""
+    if not len(stored):
+        return np.zeros(0, np.int64)
+    rows, cols = int(r1.max()) + 1, int(c1.max()) + 1
+    if n_stored * rows * rows * cols * cols * 2 < 2 ** 63:
+        return ((((stored * rows + r0) * rows + r1) * cols + c0) * cols + c1) * 2 + whole
+    return row_keys(np.stack([stored, r0, r1, c0, c1, whole.astype(np.int64)], axis=1)).view(np.int64)
 
 
 def _blocks(tile_blocks: list) -> Blocks:
