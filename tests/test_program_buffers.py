@@ -101,3 +101,16 @@ def test_the_program_artifact_carries_its_buffers_as_one_array(program):
 def test_a_table_too_large_for_int32_is_refused():
     with pytest.raises(ValueError, match="int32"):
         buffer_table([[0, "o", 2 ** 31, 0, "v1", 0, 1, 0, 1]], [0], 1)
+
+
+def test_the_values_of_many_buffers_are_their_records_values(program):
+    buffers = buffers_of(program)
+    t = buffers.table
+    pick = np.random.default_rng(3).choice(len(t), 500, replace=False)
+    got = buffers.values_of(t[pick, 0], t[pick, 1])
+    names = buffers_of(program).names
+    want = [buffers.record(int(tile), names(int(tile))[int(np.searchsorted(buffers.rows(int(tile))[:, 1], code))])["value"]
+            for tile, code in t[pick, :2].tolist()]
+    assert got == want and len(set(got)) > 10
+    with pytest.raises(KeyError):
+        buffers.values_of([int(t[0, 0])], [int(t[:, 1].max()) + 1])

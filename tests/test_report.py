@@ -395,3 +395,15 @@ def test_screenshot_shows_the_header_and_the_step_chart(tmp_path, built):
     assert _pixels_near(px, "#1d2330") > 1000 * 60        # the header band
     assert _pixels_near(px, "#e8833a") > 2000             # exchange bars
     assert _pixels_near(px, "#3b75af") > 2000             # compute bars
+
+
+def test_unique_rows_are_numpys_unique_rows():
+    """The report packs rows into one number to find the distinct ones: the same rows, order and
+    inverse as np.unique(axis=0), also where the fields do not fit a number."""
+    from ipubuild.ui.report import _unique_rows
+    rng = np.random.default_rng(5)
+    for high in (4, 1500, 2 ** 40):
+        a = rng.integers(0, high, size=(3000, 3), dtype=np.int64)
+        rows, inverse = _unique_rows(a)
+        want_rows, want_inverse = np.unique(a, axis=0, return_inverse=True)
+        assert np.array_equal(rows, want_rows) and np.array_equal(inverse, want_inverse.ravel())

@@ -71,6 +71,7 @@ class ProgramBuffers(Mapping):
         self.value_keys = entry["values"]
         self.tile_count = entry["tile_count"]
         self._bounds = np.searchsorted(self.table[:, TILE], np.arange(self.tile_count + 1)).tolist()
+        self._keys = None
 
     def __len__(self) -> int:
         return self.tile_count
@@ -105,6 +106,17 @@ class ProgramBuffers(Mapping):
         if i == len(rows) or rows[i, CODE] != code:
             raise KeyError(bid)
         return self._record(rows[i].tolist())
+
+    def values_of(self, tiles: np.ndarray, codes: np.ndarray) -> list[str]:
+        """The value (its key, ``"v12"``) each buffer ``(tiles[i], codes[i])`` holds, by one
+        binary search over the table (KeyError if a tile has no such buffer)."""
+        if self._keys is None:                  # rows are sorted by tile, then code
+            self._keys = self.table[:, TILE].astype(np.int64) << 40 | self.table[:, CODE]
+        want = np.asarray(tiles, np.int64) << 40 | np.asarray(codes, np.int64)
+        at = np.minimum(np.searchsorted(self._keys, want), max(len(self._keys) - 1, 0))
+        if len(want) and (not len(self._keys) or (self._keys[at] != want).any()):
+            raise KeyError("a buffer the program does not have")
+        return [self.value_keys[v] for v in self.table[at, VALUE].tolist()]
 
     def _record(self, row: list) -> dict:
         _, code, size, start, end, value, r0, r1, c0, c1 = row
