@@ -91,8 +91,8 @@ def _read_only(path: Path) -> bool:
 def _set(cache, key: str, data: bytes) -> None:
     """``cache.set(key, data)``, a large blob written in chunks: diskcache writes a ``bytes``
     value by iterating ``io.BytesIO(value)``, that is line by line, one ``write`` per newline
-    byte (4.5 M writes, 4 s, for one ViT-B/16 candidate's blobs). Given a reader it writes
-    4 MiB at a time, into the same kind of file, read back the same way."""
+    byte (4.5 M writes for one ViT-B/16 candidate's blobs: int32 arrays hold many 0x0A bytes).
+    Given a reader it writes 4 MiB at a time, into the same kind of file, read back the same way."""
     if isinstance(cache, ReadOnlyCache) or len(data) < cache.disk.min_file_size:
         cache.set(key, bytes(data))
     else:
@@ -232,7 +232,8 @@ class Store:
     def put(self, data: bytes, *, pin: bool = False) -> str:
         """Store a blob (idempotent) and return its digest. A *pinned* blob — one no phase can
         rebuild, such as a source file or a sub-phase's input — goes to the never-evicted store,
-        and a corrupt stored copy of it is replaced."""
+        and a corrupt stored copy of it is replaced (the stored copy is checked the first time
+        this process puts it; a copy that goes bad later is dropped when read, as any blob)."""
         key = canonical.digest(data)
         if pin:
             # checked once a process: a search puts every exchange phase's transfers again for
