@@ -252,13 +252,12 @@ def test_screening_beyond_its_budget_counts_each_heuristics_unscreened_proposals
     layout = initial_layout(sc, heuristics())
     found = heuristics()
     proposals = [(h.name, ch) for h in found for ch in h.propose(layout, sc)]
-    weights = [search._weight(ch, Baseline(sc.estimator, layout)) for _, ch in proposals]
+    ranked = search._screening_order(proposals, Baseline(sc.estimator, layout))
     monkeypatch.setattr(search, "SCREEN_BUDGET", 5)
     s = search.screen_round(proposals, layout, sc, {canonical.digest_of(layout)}, 3, [h.name for h in found])
     n = s.counts["unscreened"]
     assert 0 < n < len(proposals) and sum(s.counts.values()) == len(proposals)
-    # the costliest first: the proposals left are the last of that order, each counted for its heuristic
-    ranked = sorted(range(len(proposals)), key=lambda i: (-weights[i], i))
+    # the proposals left are the last of screening's order, each counted for its heuristic
     left = collections.Counter(proposals[i][0] for i in ranked[len(ranked) - n:])
     assert {name: c["unscreened"] for name, c in s.heuristics.items() if c["unscreened"]} == dict(left)
     for name, c in s.heuristics.items():
@@ -266,6 +265,31 @@ def test_screening_beyond_its_budget_counts_each_heuristics_unscreened_proposals
     shown = search._by_heuristic(s.heuristics, ("proposed", "fit", "cheaper", "shortlisted"))
     name = next(iter(left))
     assert f" unscreened={left[name]} " in shown[name], shown[name]
+
+
+def test_screening_takes_each_costly_operation_in_turn_a_chunk_at_a_time():
+    """Costliest operation first, but ``SCREEN_CHUNK`` of its proposals at a time: on ViT-B/16 one
+    matmul's 305 re-plans used to spend a round's whole budget."""
+    from ipubuild import search
+    from ipubuild.estimator import Baseline
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    base = Baseline(sc.estimator, layout)
+    proposals = [(h.name, ch) for h in heuristics() for ch in h.propose(layout, sc)]
+    order = search._screening_order(proposals, base)
+    assert sorted(order) == list(range(len(proposals)))
+    weighed = [search._weight(proposals[i][1], base) for i in order]
+    top = weighed[0][1]
+    mine = [n for n, i in enumerate(order) if weighed[n][1] == top and proposals[i][0] == "replan"]
+    assert len(mine) > search.SCREEN_CHUNK, "the costliest operation has too few re-plans to tell"
+    between = weighed[mine[search.SCREEN_CHUNK - 1] + 1:mine[search.SCREEN_CHUNK]]
+    assert {op for _, op in between} - {top}, "the costliest operation's second chunk came before the others' first"
+    first = [weighed[n] for n in range(mine[search.SCREEN_CHUNK - 1] + 1)]
+    assert first == sorted(first, key=lambda w: -w[0])
+    # every heuristic's first proposal for the costliest operation comes before its 33rd re-plan
+    names = {name for name, ch in proposals if search._weight(ch, base)[1] == top}
+    assert len(names) > 1 and names == {proposals[order[n]][0] for n in range(mine[search.SCREEN_CHUNK])
+                                        if weighed[n][1] == top}
 
 
 def test_the_earliest_proposal_of_a_layout_speaks_for_it_in_whatever_order_screening_takes():
@@ -338,8 +362,8 @@ def test_the_search_logs_and_keeps_counts_per_heuristic(tmp_path):
     sums = state["heuristics"]
     assert set(sums) == names
     accepted = [h for h in state["history"] if h["round"] > 0]
-    assert sum(c["accepted"] for c in sums.values()) == len(accepted)
     assert sum(c["evaluated"] for c in sums.values()) == len(evaluated)     # (the tile mapping's is no heuristic's)
+    assert sum(c["accepted"] for c in sums.values()) == sum(len(h["proposal"].split("+")) for h in accepted)
     for h in accepted:
         assert h["heuristic"] in names and h["proposal"].startswith(h["heuristic"] + "#")
 
@@ -575,3 +599,145 @@ def test_screening_refuses_what_needs_more_than_the_incumbent_left_free_on_a_til
     tight = [none.compare(layout)[1] for layout in layouts]
     assert sum(fits) > sum(tight) > 0       # some grow a tile's buffers, some do not
     assert not any(t and not f for t, f in zip(tight, fits))
+
+
+def test_screening_refuses_what_grows_a_tiles_code_past_the_room_the_incumbent_left():
+    """Given the incumbent's code room (the executable memory its provisional code left free on
+    each tile), a proposal whose estimated code grows past it on some tile is over memory (on
+    ViT-B/16 candidates 100 B-1 KB over the executable region were evaluated, 8-14 s each)."""
+    from ipubuild.compiler.estimator import Baseline
+    sc = _vit_context()
+    incumbent = initial_layout(sc, heuristics())
+    proposals = [ch for h in heuristics() for ch in h.propose(incumbent, sc)]
+    layouts = [layout for ch in proposals if (layout := ch._applied(incumbent, sc.plans, sc.tile_count)[0])]
+    plain = Baseline(sc.estimator, incumbent)
+    roomy = Baseline(sc.estimator, incumbent, code_room=[1 << 40] * sc.tile_count)
+    none = Baseline(sc.estimator, incumbent, code_room=[0] * sc.tile_count)
+    fits = [plain.compare(layout)[1] for layout in layouts]
+    assert [roomy.compare(layout)[1] for layout in layouts] == fits
+    tight = [none.compare(layout)[1] for layout in layouts]
+    assert sum(fits) > sum(tight) > 0       # some add code on a tile, some do not
+    assert not any(t and not f for t, f in zip(tight, fits))
+
+
+def test_an_evaluation_gives_the_code_room_its_provisional_placement_left(built_small):
+    from ipubuild.compiler import search
+    from ipubuild.compiler.planning.storage import tile_ranges
+    ws, target, _ = built_small
+    base = {"graph": ws.read_ref("small/graph"), "runtime": ws.read_ref("small/runtime"),
+            "reservations": ws.read_ref("small/kernel_reservations"), "machine": ws.read_ref("machines/ipu21")}
+    r = search.evaluate(ws.engine, base, ws.engine.decoded(ws.read_ref("small/layout")), target)
+    machine = load_machine("ipu21")
+    provisional = ws.engine.decoded(ws.read_ref("small/provisional_storage"))
+    code = search.code_room(provisional, machine["memory"]["executable_end"])
+    assert r["code_room"] == code and len(code) == 16
+    assert all(0 < c < machine["memory"]["executable_end"] - tile_ranges(machine, 0)["code_address"] for c in code)
+
+
+def test_the_shortlist_takes_changes_to_distinct_operations_first():
+    """The cheapest estimates are often one operation's neighbouring plans: the shortlist takes
+    the cheapest change of each set of operations first (so that what improves can be combined),
+    then fills up with the rest, cheapest first."""
+    from ipubuild.compiler.search import _diverse
+    entries = [(e, i, f"replan#{i}", None, Changes(plans=((op, i),)), "replan")
+               for i, (e, op) in enumerate([(10, 7), (11, 7), (12, 7), (13, 3), (14, 7), (15, 5)])]
+    assert [pid for _, _, pid, *_ in _diverse(entries, 3)] == ["replan#0", "replan#3", "replan#5"]
+    assert [pid for _, _, pid, *_ in _diverse(entries, 4)] == ["replan#0", "replan#1", "replan#3", "replan#5"]
+    assert [pid for _, _, pid, *_ in _diverse(entries[:3], 3)] == ["replan#0", "replan#1", "replan#2"]
+
+
+def test_combined_takes_the_improvements_that_touch_distinct_operations():
+    from ipubuild.compiler.search import combined
+    inc = {"ops": {"0": {"plan": 0, "offset": 0}, "1": {"plan": 0, "offset": 0}, "2": {"plan": 0, "offset": 0}}}
+
+    def moved(**plans):
+        return {"ops": {k: ({"plan": plans[f"op{k}"], "offset": 0} if f"op{k}" in plans else v)
+                        for k, v in inc["ops"].items()}}
+    union, taken = combined([moved(op0=1), moved(op0=2, op1=1), moved(op2=3)], inc)
+    assert taken == [0, 2] and union == moved(op0=1, op2=3)
+    assert combined([moved(op0=1), moved(op0=2)], inc) == (None, [0])
+    assert combined([moved(op1=4)], inc) == (None, [0])
+
+
+def _scored(monkeypatch, union_gain):
+    """search.evaluate with fabricated cycles: the initial layout's real ones, less 100 for each
+    operation a layout changes from it, and ``union_gain`` for a layout that changes more than
+    two (which does not build if it is None). No tile-mapping screen."""
+    from ipubuild import search
+    real, first, seen = search.evaluate, [], []
+
+    def scored(engine, base, layout, config):
+        r = real(engine, base, layout, config)
+        if not first:
+            first.append((layout, r["cycles"]))
+            return r
+        n = len(search._differing(layout, first[0][0]))
+        seen.append(n)
+        if n > 2 and union_gain is None:
+            return {"invalid": "tile 3: tensor t1 needs 64 bytes but the largest free block of tile memory is 8 bytes"}
+        return dict(r, cycles=first[0][1] - (union_gain if n > 2 else 100 * n))
+    monkeypatch.setattr(search, "evaluate", scored)
+    monkeypatch.setattr(search, "_screen_mappings", lambda sc, incumbent, cycles, room, pool, state:
+                        (incumbent, cycles, room))
+    return seen
+
+
+def _one_round_replans(monkeypatch):
+    """The search with one heuristic: re-plan operations 1, 4 and 8 (one plan each), each
+    estimated cheaper than the incumbent."""
+    from ipubuild import search
+    from ipubuild.estimator import Baseline
+    real_compare = Baseline.compare
+
+    def cheaper(self, layout):
+        e, fits = real_compare(self, layout)
+        return (None if e is None else self.total - 1), fits
+    monkeypatch.setattr(Baseline, "compare", cheaper)
+
+    def three(layout, sc):
+        out = []
+        for op in (1, 4, 8):
+            mine = layout["ops"][str(op)]["plan"]
+            out.append(Changes(plans=((op, 1 if mine != 1 else 0),)))
+        return out
+    monkeypatch.setattr(search, "heuristics", lambda: [search.Heuristic("three", three)])
+
+
+def test_a_round_accepts_disjoint_improvements_together_when_they_add_up(tmp_path, monkeypatch):
+    """Three candidates each improving one operation: the search evaluates them together once
+    more and accepts the sum, naming every proposal it took (each heuristic's ``accepted``
+    counts its own). (A search that takes the best one alone accepts 100 cycles, not 300.)"""
+    seen = _scored(monkeypatch, union_gain=300)
+    _one_round_replans(monkeypatch)
+    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 1").replace("workers = 2", "workers = 1")})
+    monkeypatch.chdir(root)
+    build_in_process(root, "targets/small.toml")
+    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    (h,) = state["history"]
+    assert h["before"] - h["after"] == 300 and sorted(h["proposal"].split("+")) == ["three#0", "three#1", "three#2"]
+    assert seen == [1, 1, 1, 3] and state["attempts"] == 4
+    assert state["heuristics"]["three"]["accepted"] == 3 and state["heuristics"]["three"]["evaluated"] == 3
+
+
+def test_a_combination_that_does_not_beat_the_best_alone_is_not_accepted(tmp_path, monkeypatch):
+    seen = _scored(monkeypatch, union_gain=50)
+    _one_round_replans(monkeypatch)
+    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 1").replace("workers = 2", "workers = 1")})
+    monkeypatch.chdir(root)
+    build_in_process(root, "targets/small.toml")
+    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    (h,) = state["history"]
+    assert h["before"] - h["after"] == 100 and "+" not in h["proposal"]
+    assert seen == [1, 1, 1, 3] and state["heuristics"]["three"]["accepted"] == 1
+
+
+def test_when_the_combination_does_not_build_the_best_two_are_tried_together(tmp_path, monkeypatch):
+    seen = _scored(monkeypatch, union_gain=None)
+    _one_round_replans(monkeypatch)
+    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 1").replace("workers = 2", "workers = 1")})
+    monkeypatch.chdir(root)
+    build_in_process(root, "targets/small.toml")
+    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    (h,) = state["history"]
+    assert seen == [1, 1, 1, 3, 2] and state["attempts"] == 5
+    assert h["before"] - h["after"] == 200 and sorted(h["proposal"].split("+")) == ["three#0", "three#1"]

@@ -402,11 +402,14 @@ class Baseline:
     free: ``storage.headroom``), when known, bounds what another layout may add on each tile:
     the constants it adds, and for each operation it re-costs the buffers it allocates there
     beyond the layout's (an operation's buffers are live around its own step: their growth
-    bounds the growth of the tile's peak). A layout over it does not fit."""
+    bounds the growth of the tile's peak). A layout over it does not fit. ``code_room`` (per
+    tile, the executable memory the layout's provisional code left free: ``search.code_room``),
+    when known, bounds the growth of the estimated code likewise."""
 
-    def __init__(self, est: Estimator, layout: dict, headroom=None):
+    def __init__(self, est: Estimator, layout: dict, headroom=None, code_room=None):
         self.est, self.layout = est, layout
         self.headroom = None if headroom is None else np.asarray(headroom, dtype=np.int64)
+        self.code_room = None if code_room is None else np.asarray(code_room, dtype=np.int64)
         self.res = est.resolve(layout)
         self.terms = {op.id: est.term(op, layout, self.res) for op in est.g.ops}
         valid = all(t is not None for t in self.terms.values())
@@ -445,6 +448,8 @@ class Baseline:
         if fits and grown is not None:
             grown += np.maximum(loads.const - self.loads.const, 0)
             fits = not (grown > self.headroom).any()
+        if fits and self.code_room is not None:
+            fits = not (loads.code_with_kernels() - self.loads.code_with_kernels() > self.code_room).any()
         return total, fits
 
 

@@ -138,8 +138,8 @@ def phase_inputs(ph, artifacts: dict[str, str]) -> dict[str, str]:
 
 def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
     """Run the compiler's phases up to the costed, placed program for ``layout``: its ``cycles``,
-    ``exchange`` and ``headroom`` (``storage.headroom``: what later screenings may add per tile),
-    or why it is ``invalid``."""
+    ``exchange``, ``headroom`` (``storage.headroom``: what later screenings may add per tile) and
+    ``code_room`` (``code_room``), or why it is ``invalid``."""
     artifacts = dict(base, layout=engine.put(canonical.encode(layout), pin=True))
     before = collections.Counter(engine.stats)
     try:
@@ -154,10 +154,29 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
         return {"invalid": str(exc)}
     cost = engine.decoded(artifacts["cost"])
     after = engine.stats
+    memory = machine_from(engine.fetch(artifacts["machine"]))["memory"]
     room = headroom(engine.decoded(artifacts["storage"]), buffers_of(engine.decoded(artifacts["program"])),
-                    machine_from(engine.fetch(artifacts["machine"]))["memory"]["alignment"])
+                    memory["alignment"])
     return {"cycles": cost["final_cycles"], "exchange": cost["final_exchange"], "headroom": room,
+            "code_room": code_room(engine.decoded(artifacts["provisional_storage"]), memory["executable_end"]),
             "hits": after["hit"] - before["hit"], "misses": after["miss"] - before["miss"]}
+
+
+def code_room(provisional: dict, executable_end: int) -> list[int]:
+    """Per tile (tile order), the executable memory the provisional placement's generated code
+    left free: a candidate whose code outgrows it does not build. The estimator's code is 1–2 KB
+    under the provisional figure on ViT-B/16's fullest tiles, so screening bounds its growth by
+    this, as it bounds data by the headroom."""
+    out = [0] * len(provisional)
+    for tile, p in provisional.items():
+        out[int(tile)] = executable_end - p["ranges"]["code_end"]
+    return out
+
+
+def rooms(result: dict) -> dict:
+    """What screening bounds a change's growth by (``Baseline``'s ``headroom`` and ``code_room``),
+    from an exact evaluation's result."""
+    return {"headroom": result["headroom"], "code_room": result["code_room"]}
 
 
 _worker: dict = {}
@@ -361,7 +380,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                 log.info("initial layout does not build; trying the next", reason=repr(result["invalid"]))
         if "invalid" in result:
             raise UserError(f"{ctx.config['path']}: search", f"the initial layout does not build: {result['invalid']}")
-        cycles, room = result["cycles"], result["headroom"]
+        cycles, room = result["cycles"], rooms(result)
         log.info("validated search incumbent", cycles=cycles, resuming=resuming)
         sc.estimator.forget(keep=incumbent)
         if not resuming or state["round"] < cfg["rounds"]:      # it will screen
@@ -382,7 +401,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             t0 = time.perf_counter()
             proposals = [(h.name, ch) for h in found for ch in _proposals(h, incumbent, sc)]
             screened = screen_round(proposals, incumbent, sc, visited, cfg["shortlist"], [h.name for h in found],
-                                    headroom=room)
+                                    **room)
             per = screened.heuristics
             log.info("screened local search round", round=rnd, proposed=len(proposals), **screened.counts,
                      **screened.invalid, **_by_heuristic(per, ROUND_FIELDS))
@@ -402,7 +421,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
             state["attempts"] += len(jobs)
             hits = sum(r.get("hits", 0) for r in results)
             misses = sum(r.get("misses", 0) for r in results)
-            best = None
+            improved = []
             for (attempt, pid, layout), (_, _, changes, name), r in zip(jobs, shortlist, results):
                 visited.add(canonical.digest_of(layout))
                 per[name]["evaluated"] += 1
@@ -411,8 +430,30 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                     continue
                 if r["cycles"] < cycles:
                     per[name]["improved"] += 1
-                    if best is None or r["cycles"] < best[3]["cycles"]:
-                        best = (attempt, layout, changes, r, name, pid)
+                    improved.append((r["cycles"], attempt, layout, [(changes, name, pid)], r))
+            improved.sort(key=lambda t: t[:2])
+            best = improved[0] if improved else None
+            # disjoint improvements often add up (a repeated block's operations): they are
+            # evaluated together once more, and if that does not build (memory), the best two
+            # together; the sum is kept only if it beats the best alone
+            taken = combined([t[2] for t in improved], incumbent)[1]
+            for subset in (taken, taken[:2]):
+                if len(subset) < 2 or state["attempts"] >= cfg["evaluations"]:
+                    break
+                union = combined([improved[i][2] for i in subset], incumbent)[0]
+                if canonical.digest_of(union) in visited:
+                    break
+                parts = [improved[i][3][0] for i in subset]
+                state["attempts"] += 1
+                attempt, pid = state["attempts"], "+".join(p for _, _, p in parts)
+                (r,) = pool.map([(attempt, pid, union)])
+                visited.add(canonical.digest_of(union))
+                log.info("evaluated combined local candidates", attempt=attempt, proposals=pid,
+                         cycles=r.get("cycles", "invalid"))
+                if "invalid" not in r:
+                    if r["cycles"] < best[0]:
+                        best = (r["cycles"], attempt, union, parts, r)
+                    break
             log.info("measured local search round", round=rnd, proposals_per_s=f"{len(proposals) / max(screen_s, 1e-9):.0f}",
                      evaluations_per_s=f"{len(jobs) / max(eval_s, 1e-9):.2f}",
                      cache_hit_rate=f"{hits / max(1, hits + misses):.2f}")
@@ -428,14 +469,17 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
                 _count_round(state, rnd, per)
                 state["round"] = cfg["rounds"]
             else:
-                attempt, layout, changes, r, name, pid = best
-                per[name]["accepted"] += 1
+                _, attempt, layout, parts, r = best
+                for _, name, _ in parts:
+                    per[name]["accepted"] += 1
+                name, pid = parts[0][1], "+".join(p for _, _, p in parts)
                 log.info("accepted local layout improvement", attempt=attempt, before=cycles, after=r["cycles"],
-                         delta=changes.describe(graph, policy), heuristic=name, proposal=pid)
+                         delta="; ".join(ch.describe(graph, policy) for ch, _, _ in parts), heuristic=name,
+                         proposal=pid)
                 _count_round(state, rnd, per)
                 state["history"].append({"round": rnd, "before": cycles, "after": r["cycles"],
                                          "heuristic": name, "proposal": pid})
-                incumbent, cycles, room = layout, r["cycles"], r["headroom"]
+                incumbent, cycles, room = layout, r["cycles"], rooms(r)
                 state["incumbent"], state["cycles"] = incumbent, cycles
             state["visited"] = sorted(visited)
             _save(path, state)
@@ -472,10 +516,31 @@ def _check_fits(graph, tiles: int, machine: dict, where: str) -> None:
                         f"least {-(-need // per_tile):,} tiles, or a smaller model")
 
 
-def _weight(ch: Changes, baseline: Baseline) -> int:
-    """The incumbent's estimate of the costliest operation a change touches."""
+def _weight(ch: Changes, baseline: Baseline) -> tuple[int, int | None]:
+    """The incumbent's estimate of the costliest operation a change touches, and that operation."""
     terms = baseline.terms
-    return max((terms[op].cycles for op, _ in (*ch.plans, *ch.boundaries) if terms.get(op) is not None), default=0)
+    return max(((terms[op].cycles, op) for op, _ in (*ch.plans, *ch.boundaries) if terms.get(op) is not None),
+               default=(0, None))
+
+
+#: how many of one heuristic's proposals for one operation screening takes before it turns to
+#: the next costliest operation
+SCREEN_CHUNK = 32
+
+
+def _screening_order(proposals: list, baseline: Baseline) -> list[int]:
+    """The proposals' indices in the order screening takes them: by the operation each one's
+    cost is weighed by (``_weight``), costliest first, ``SCREEN_CHUNK`` of each heuristic's
+    proposals for an operation at a time (in the order proposed), so that a budget spent before
+    the end reaches more operations, and more heuristics, than the one with the most plans
+    (on ViT-B/16 one matmul's 305 re-plans spent a round's whole budget)."""
+    turns: collections.Counter = collections.Counter()
+    keys = []
+    for i, (name, ch) in enumerate(proposals):
+        weight, op = _weight(ch, baseline)
+        keys.append((turns[name, op] // SCREEN_CHUNK, -weight, i))
+        turns[name, op] += 1
+    return [k[2] for k in sorted(keys)]
 
 
 def mapping_candidates(layout: dict, tile_count: int) -> list[dict]:
@@ -490,8 +555,8 @@ def mapping_candidates(layout: dict, tile_count: int) -> list[dict]:
 def _screen_mappings(sc, incumbent, cycles, room, pool, state):
     """Screen whole-program tile mappings by exchange resource load (the estimator's busiest
     port); evaluate the best one exactly, unless it needs more on some tile than the
-    incumbent's ``room`` (its headroom), and keep it only if it is cheaper: the layout, its
-    cycles and its headroom."""
+    incumbent's ``room`` (``rooms``) has, and keep it only if it is cheaper: the layout, its
+    cycles and its room."""
     est = sc.estimator
     candidates = mapping_candidates(incumbent, sc.tile_count)
     base_c, base_p = est.estimate(incumbent), est.pressure(incumbent)
@@ -499,7 +564,7 @@ def _screen_mappings(sc, incumbent, cycles, room, pool, state):
     best_c, best_p, i = scored[0]
     log.info("screened tile mappings by exchange resource load", candidates=len(candidates),
              baseline_cycles=base_c, candidate_cycles=best_c, baseline_pressure=base_p, candidate_pressure=best_p)
-    if best_c < base_c and room is not None and not Baseline(est, incumbent, room).compare(candidates[i])[1]:
+    if best_c < base_c and room is not None and not Baseline(est, incumbent, **room).compare(candidates[i])[1]:
         log.info("refused tile mapping: over the estimator's caps, or more than the incumbent's placement "
                  "has room for, on some tile")
     elif best_c < base_c:
@@ -508,7 +573,7 @@ def _screen_mappings(sc, incumbent, cycles, room, pool, state):
         if "invalid" not in r and r["cycles"] < cycles:
             log.info("accepted tile mapping", before=cycles, after=r["cycles"])
             state["history"].append({"round": 0, "before": cycles, "after": r["cycles"]})
-            return candidates[i], r["cycles"], r["headroom"]
+            return candidates[i], r["cycles"], rooms(r)
     log.info("retained incumbent tile mapping")
     return incumbent, cycles, room
 
@@ -551,7 +616,8 @@ class Screening:
     shortlist: list
 
 
-def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(), headroom=None) -> Screening:
+def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(), headroom=None,
+                 code_room=None) -> Screening:
     """Screen ``[(heuristic name, Changes), ...]`` (in the heuristics' order): drop the invalid
     ones (by reason: ``over_memory`` includes those that would add more on a tile than the
     incumbent's ``headroom`` there, when known: see ``Baseline``), those already evaluated
@@ -572,10 +638,10 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
         ids.append(f"{name}#{c['proposed']}" if name else order)
         c["proposed"] += 1
     est = sc.estimator
-    baseline = Baseline(est, incumbent, headroom)
+    baseline = Baseline(est, incumbent, headroom, code_room)
     first, cheaper = {}, {}     # layout digest -> (order, heuristic) of its speaker; -> its shortlist entry
     budget = SCREEN_BUDGET * 64 // max(64, sc.tile_count)
-    ranked = sorted(range(len(proposals)), key=lambda i: (-_weight(proposals[i][1], baseline), i))
+    ranked = _screening_order(proposals, baseline)
     for n, order in enumerate(ranked):
         if len(baseline.asked) >= budget:       # counted the same whatever the estimator has cached
             counts["unscreened"] = len(ranked) - n
@@ -620,12 +686,47 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
             continue
         c["cheaper"] += 1
         cheaper[d] = (e, order, ids[order], layout, ch, name)
-    short = sorted(cheaper.values(), key=lambda t: (t[0], t[1]))[:shortlist_size]
+    short = _diverse(sorted(cheaper.values(), key=lambda t: (t[0], t[1])), shortlist_size)
     for *_, name in short:
         per[name]["shortlisted"] += 1
     counts["truncated"] = len(cheaper) - len(short)
     counts["shortlisted"] = len(short)
     return Screening(counts, invalid, per, [(pid, layout, ch, name) for _, _, pid, layout, ch, name in short])
+
+
+def _diverse(ranked: list, size: int) -> list:
+    """The first ``size`` of ``ranked`` (shortlist entries, cheapest estimate first), taking
+    first those that change operations none taken before changes: the cheapest estimates are
+    often one operation's neighbouring plans, and disjoint improvements can be combined."""
+    taken, rest, ops = [], [], set()
+    for entry in ranked:
+        mine = _touched(entry[4])
+        (rest if mine & ops else taken).append(entry)
+        if not mine & ops:
+            ops |= mine
+    return sorted((taken + rest)[:size], key=lambda t: (t[0], t[1]))
+
+
+def _touched(ch: Changes) -> set[int]:
+    return {op for op, _ in (*ch.plans, *ch.boundaries)}
+
+
+def _differing(layout: dict, incumbent: dict) -> dict:
+    """The operations' choices in ``layout`` that differ from ``incumbent``'s."""
+    return {k: v for k, v in layout["ops"].items() if incumbent["ops"].get(k) != v}
+
+
+def combined(improved: list[dict], incumbent: dict) -> tuple[dict | None, list[int]]:
+    """The incumbent with the changes of each of the ``improved`` layouts (best first) that
+    touches no operation a better one changed, and which of them it took; None if it would take
+    fewer than two."""
+    ops, taken = {}, []
+    for i, layout in enumerate(improved):
+        diff = _differing(layout, incumbent)
+        if diff and not diff.keys() & ops.keys():
+            ops.update(diff)
+            taken.append(i)
+    return (dict(incumbent, ops={**incumbent["ops"], **ops}) if len(taken) > 1 else None), taken
 
 
 def screen(proposals, incumbent, sc, visited, shortlist_size):
