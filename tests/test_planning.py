@@ -640,3 +640,45 @@ def test_a_grids_estimate_counts_what_is_folded_into_the_matmul(vit_graph):
             written = (rows if p["k"] == 1 else -(-rows // p["k"])) * cols
             more = grid_cost(vit_graph, op, p, MACHINE)[0] - grid_cost(vit_graph, plain, p, MACHINE)[0]
             assert more >= written, (op.name, p, more, written)
+
+
+def test_a_matmul_also_offers_grids_whose_column_blocks_are_whole_32_column_blocks(vit_graph):
+    """After its own grids (in their order: the initial placement spreads its tries over them),
+    a matmul offers, marked ``aligned``, the grids of the same rows and K-slices whose column
+    count cuts N into whole 32-column blocks: for the fused QKV (576 columns, heads of 64) 18
+    and 9 blocks, which the powers of two miss with a K split."""
+    from ipubuild.graph.operators import aligned_counts
+    qkv = next(op for op in vit_graph.ops if op.name == "block0.qkv")
+    plans = registry().get("matmul").plans(vit_graph, qkv, 64)
+    own = [p for p in plans if not p.get("aligned")]
+    extra = [p for p in plans if p.get("aligned")]
+    assert plans == own + extra and extra
+    assert aligned_counts(576, 64) == [1, 2, 3, 6, 9, 18]
+    grids = {(p["m"], p["n"], p["k"]) for p in plans}
+    for m, k in {(p["m"], p["k"]) for p in own}:
+        assert {n for n in aligned_counts(576, 64) if m * n * k <= 64} <= {n for mm, n, kk in grids if (mm, kk) == (m, k)}
+    assert {(p["m"], p["n"], p["k"]) for p in extra}.isdisjoint({(p["m"], p["n"], p["k"]) for p in own})
+    assert (1, 18, 2) in grids and (1, 18, 2) not in {(p["m"], p["n"], p["k"]) for p in own}
+
+
+def test_head_aligned_qkv_blocks_cut_the_attention_scores_exchange(vit_graph):
+    """The attention scores read each head's K columns of the fused QKV: from 36-column blocks a
+    head's 64 columns cross a block edge, so every row is a transfer of its own (a setup each);
+    from 32-column blocks each block's rows go in one transfer. The estimator, pinned to the
+    exact cost model, sees it (the scores' own plan unchanged)."""
+    from ipubuild.compiler.gridplan import aligned_variants
+    from ipubuild.search import SearchContext
+    sc = SearchContext(vit_graph, 64, MACHINE)
+    ops = {op.name: op for op in vit_graph.ops}
+    qkv, scores = ops["block0.qkv"], ops["block0.scores"]
+    plans = sc.plans[qkv.id]
+    base = plans.index({"m": 2, "n": 16, "k": 1})
+    (aligned,) = [i for i in aligned_variants(plans, [base], 576) if plans[i]["n"] == 18]
+    terms = []
+    for p in (base, aligned):
+        layout = default_layout(vit_graph, 64)
+        layout["ops"][str(qkv.id)]["plan"] = p
+        layout["ops"][str(scores.id)]["plan"] = 0
+        terms.append(sc.estimator.term(scores, layout).cycles)
+    setup = MACHINE["exchange"]["transfer_setup_cycles"]
+    assert terms[0] - terms[1] >= setup * 100, terms

@@ -1,11 +1,12 @@
 """The built-in layout-search heuristics: re-plan one operation, let operations take their
 producers' blocks, align a chain of row-wise operations on one plan, move an operation's tiles
 onto its producer's, descend: re-plan several coupled operations together along the
-estimator's steepest path, and regrid: put a matmul on the grids a closed-form estimate ranks best."""
+estimator's steepest path, regrid: put a matmul on the grids a closed-form estimate ranks best,
+and align_columns: on the grids whose column blocks are whole 32-column blocks."""
 from __future__ import annotations
 
 from .. import hookimpl
-from ..compiler.gridplan import ranked_grids
+from ..compiler.gridplan import aligned_variants, ranked_grids
 from ..compiler.search import Changes, Heuristic
 
 #: how many single re-plans one descent chains at most
@@ -133,6 +134,20 @@ def regrid(layout, sc):
     return out
 
 
+def align_columns(layout, sc):
+    """Each matmul on the grids of its rows and K-slices whose column blocks are whole
+    32-column blocks, nearest its own (``gridplan.aligned_variants``): a reader of a few of its
+    columns (an attention head of a fused QKV) then takes each block in one transfer, not one a
+    row."""
+    out = []
+    for op in sc.graph.ops:
+        if op.type == "matmul":
+            mine = layout["ops"][str(op.id)]["plan"]
+            cols = sc.graph.values[op.outputs[0]].cols
+            out += [Changes(plans=((op.id, p),)) for p in aligned_variants(sc.plans[op.id], [mine], cols)]
+    return out
+
+
 def _readers_that_could_follow(layout, sc, op_id) -> dict[int, int]:
     """``{reader: its follow plan}`` for each operation that reads ``op_id``'s blocks (its
     output, or its followers') without following them but could."""
@@ -151,6 +166,7 @@ def _readers_that_could_follow(layout, sc, op_id) -> dict[int, int]:
 
 @hookimpl
 def ipubuild_search_heuristics():
-    return [Heuristic("replan", replan), Heuristic("take_producer_blocks", take_producer_blocks),
+    return [Heuristic("replan", replan), Heuristic("align_columns", align_columns),
+            Heuristic("take_producer_blocks", take_producer_blocks),
             Heuristic("align_chains", align_chains), Heuristic("follow_producer", follow_producer),
             Heuristic("descend", descend), Heuristic("regrid", regrid)]

@@ -21,7 +21,8 @@ from ..kernels.matmul_cycles import matmul as matmul_cycles, matmul_fp8 as matmu
 from ..kernels.reduce_cycles import reduce as reduce_cycles, reduce_fp8 as reduce_fp8_cycles, \
     reduce_gelu as reduce_gelu_cycles, reduce_gelu_fp8 as reduce_gelu_fp8_cycles
 from ..kernels.softmax_cycles import softmax as softmax_cycles, softmax_fp8 as softmax_fp8_cycles
-from ..graph.operators import F32_ROUNDOFF as U, KernelVariant, Lowering, Operator, TileWork, f32_bits, gamma, key, split
+from ..graph.operators import (F32_ROUNDOFF as U, KernelVariant, Lowering, Operator, TileWork, aligned_counts, f32_bits,
+                               gamma, key, split)
 
 KERNELS = Path(__file__).resolve().parent.parent / "kernels"
 TYPE_CODE = {"f32": "IPU_F32", "f16": "IPU_F16", "f143": "IPU_F143", "f152": "IPU_F152"}
@@ -708,10 +709,20 @@ class MatMul(Operator):
                         out.append({"m": m, "n": n, "k": k})
         # default first: blocks of at least 8 rows and 32 columns (smaller ones fragment the
         # exchange), then the most tiles, no K split, the squarest blocks
-        out.sort(key=lambda p: (m_ // p["m"] < min(8, m_) or n_ // p["n"] < min(32, n_),
-                                -(p["m"] * p["n"] * p["k"]), p["k"],
-                                abs(math.log2(max(1, m_ // p["m"]) / max(1, n_ // p["n"])))))
-        return out
+        def order(p):
+            return (m_ // p["m"] < min(8, m_) or n_ // p["n"] < min(32, n_), -(p["m"] * p["n"] * p["k"]), p["k"],
+                    abs(math.log2(max(1, m_ // p["m"]) / max(1, n_ // p["n"]))))
+        out.sort(key=order)
+        # then, marked ``aligned``, the grids of the same rows and K-slices whose column count
+        # cuts N into whole 32-column blocks (a fused QKV's heads): a reader of a few such
+        # columns takes each block's rows in one transfer, not one a row (ViT-B/16's attention
+        # exchange halves). After the others, so the initial placement, which spreads its
+        # tries over the list, does not see them (it would place ViT-B/16 over memory); the
+        # search's ``align_columns`` proposes them
+        have = {(p["m"], p["n"], p["k"]) for p in out}
+        extra = [{"m": m, "n": n, "k": k, "aligned": True} for m, k in sorted({(p["m"], p["k"]) for p in out})
+                 for n in aligned_counts(n_, tile_count) if (m, n, k) not in have and m * n * k <= tile_count]
+        return out + sorted(extra, key=order)
 
     def macs(self, graph, op):
         a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]

@@ -10,7 +10,7 @@ pick which of a matmul's several hundred grids to estimate at all.
 """
 from __future__ import annotations
 
-from ..graph.operators import ceil_div
+from ..graph.operators import aligned_counts, ceil_div
 
 
 def grid_cost(graph, op, plan: dict, machine: dict) -> tuple[int, int]:
@@ -49,11 +49,12 @@ def ranked_grids(graph, op, plans: list[dict], machine: dict, tile_cap: int | No
                  allowed: float | None = None) -> list[int]:
     """Indices of ``plans`` (a matmul's) that are grids, cheapest estimate first (ties: the
     earlier plan), leaving out those whose weights exceed ``tile_cap`` bytes on a tile or
-    ``allowed`` bytes in all."""
+    ``allowed`` bytes in all, and the ``aligned`` ones (``MatMul.plans``), which this estimate
+    cannot tell from their neighbours."""
     a, b = graph.values[op.inputs[0]], graph.values[op.inputs[1]]
     out = []
     for i, p in enumerate(plans):
-        if not all(d in p for d in "mnk"):
+        if not all(d in p for d in "mnk") or p.get("aligned"):
             continue
         cycles, held = grid_cost(graph, op, p, machine)
         per_tile = ceil_div(a.shape[1], p["k"]) * ceil_div(b.shape[1], p["n"]) * b.itemsize
@@ -61,3 +62,21 @@ def ranked_grids(graph, op, plans: list[dict], machine: dict, tile_cap: int | No
             continue
         out.append((cycles, i))
     return [i for _, i in sorted(out)]
+
+
+def aligned_variants(plans: list[dict], chosen: list[int], columns: int) -> list[int]:
+    """For each of the ``chosen`` grids of ``plans`` (a matmul's, of ``columns`` output columns),
+    the grids of the same rows and K-slices whose column count is the nearest below and above
+    its own that cuts the columns into whole 32-column blocks (``operators.aligned_counts``).
+    The closed-form estimate does not see that a reader of a few columns then takes each block
+    in one transfer, not one a row; the estimator does, given the plans to judge."""
+    by_grid = {(p["m"], p["n"], p["k"]): i for i, p in enumerate(plans) if all(d in p for d in "mnk")}
+    counts = set(aligned_counts(columns, columns))
+    out = []
+    for i in chosen:
+        m, n, k = (plans[i][d] for d in "mnk")
+        aligned = sorted(c for (mm, c, kk) in by_grid if (mm, kk) == (m, k) and c in counts)
+        below = [c for c in aligned if c <= n]
+        above = [c for c in aligned if c > n]
+        out += [by_grid[m, c, k] for c in (below[-1:] + above[:1])]
+    return sorted(set(out) - set(chosen))

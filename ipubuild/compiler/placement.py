@@ -94,11 +94,13 @@ class _Greedy:
         for op in g.ops:
             plans = sc.plans[op.id]
             follow = [i for i, p in enumerate(plans) if "follow" in p]
-            tried = sorted({0, *spread(list(range(len(plans))), INITIAL_PLANS_TRIED), *follow})
+            own = [i for i, p in enumerate(plans) if not p.get("aligned")]   # see MatMul.plans
+            tried = sorted({0, *spread(own, INITIAL_PLANS_TRIED), *follow})
             if self.reg.get(op.type).follows == "elements":
                 tried = [p for p in follow if _term(sc, op, layout, p) is not None] or tried
             elif self.allowed is not None and any(v in g.constants for v in op.inputs):
-                within = [i for i, b in enumerate(est.footprints(op)) if b is not None and b <= self.allowed[op.id]]
+                within = [i for i, b in enumerate(est.footprints(op))
+                          if b is not None and b <= self.allowed[op.id] and not plans[i].get("aligned")]
                 tried = sorted({*tried, *spread(within, INITIAL_PLANS_TRIED)})
             if op.type == "matmul" and self.allowed is not None:
                 # where memory is tight (the weights' copies are rationed), also the grids within

@@ -238,6 +238,16 @@ def registry() -> Registry:
     return _registry(get_plugin_manager())
 
 
+#: the column-block width ``aligned_counts`` cuts a matmul's N into multiples of
+ALIGNED_COLUMNS = 32
+
+
+def aligned_counts(n: int, tile_count: int) -> list[int]:
+    """The column counts (up to ``tile_count``) that cut ``n`` columns into equal blocks of a
+    whole number of ``ALIGNED_COLUMNS``."""
+    return [d for d in range(1, min(n, tile_count) + 1) if n % d == 0 and (n // d) % ALIGNED_COLUMNS == 0]
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
