@@ -84,7 +84,8 @@ def test_vit_fp8_meets_its_goals(vit):
 def test_vit_fp8_elementwise_operations_exchange_nothing(vit_unfolded):
     """A cast or an activation moves nothing; a residual add moves only the operand it does
     not follow (when its two producers lay their blocks out differently), never the one it
-    follows (vit_fp8 with them as operations of their own: its passes fold them)."""
+    follows, or, on a plan of its own that lays its blocks out as its producers do, nothing
+    (vit_fp8 with them as operations of their own: its passes fold them)."""
     vit = vit_unfolded
     g, program, layout = vit.graph, vit.json("program"), vit.json("layout")
     plans = plans_of(g, 64)
@@ -101,9 +102,12 @@ def test_vit_fp8_elementwise_operations_exchange_nothing(vit_unfolded):
         if not produced:
             continue
         plan = plans[op.id][layout["ops"][str(op.id)]["plan"]]
-        assert "follow" in plan, (op.name, plan)
-        followed = op.inputs[plan["follow"]]
         moved = moved_by_step.get(op.id, set())
+        if "follow" not in plan:
+            assert not moved, (op.name, plan, moved)
+            checked += 1
+            continue
+        followed = op.inputs[plan["follow"]]
         assert f"v{followed}" not in moved, op.name
         if len(produced) == 1:
             assert not moved, (op.name, moved)
