@@ -682,9 +682,9 @@ def _scored(monkeypatch, union_gain):
     return seen
 
 
-def _one_round_replans(monkeypatch):
-    """The search with one heuristic: re-plan operations 1, 4 and 8 (one plan each), each
-    estimated cheaper than the incumbent."""
+def _one_round_of_three(tmp_path, monkeypatch) -> dict:
+    """The small target searched one round with one heuristic, which re-plans operations 1, 4
+    and 8 (one plan each), each estimated cheaper than the incumbent: the search's state."""
     from ipubuild import search
     from ipubuild.estimator import Baseline
     real_compare = Baseline.compare
@@ -701,6 +701,10 @@ def _one_round_replans(monkeypatch):
             out.append(Changes(plans=((op, 1 if mine != 1 else 0),)))
         return out
     monkeypatch.setattr(search, "heuristics", lambda: [search.Heuristic("three", three)])
+    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 1").replace("workers = 2", "workers = 1")})
+    monkeypatch.chdir(root)
+    build_in_process(root, "targets/small.toml")
+    return read_state(root / ".ipubuild" / "search" / "small.state.json")
 
 
 def test_a_round_accepts_disjoint_improvements_together_when_they_add_up(tmp_path, monkeypatch):
@@ -708,11 +712,7 @@ def test_a_round_accepts_disjoint_improvements_together_when_they_add_up(tmp_pat
     more and accepts the sum, naming every proposal it took (each heuristic's ``accepted``
     counts its own). (A search that takes the best one alone accepts 100 cycles, not 300.)"""
     seen = _scored(monkeypatch, union_gain=300)
-    _one_round_replans(monkeypatch)
-    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 1").replace("workers = 2", "workers = 1")})
-    monkeypatch.chdir(root)
-    build_in_process(root, "targets/small.toml")
-    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    state = _one_round_of_three(tmp_path, monkeypatch)
     (h,) = state["history"]
     assert h["before"] - h["after"] == 300 and sorted(h["proposal"].split("+")) == ["three#0", "three#1", "three#2"]
     assert seen == [1, 1, 1, 3] and state["attempts"] == 4
@@ -721,11 +721,7 @@ def test_a_round_accepts_disjoint_improvements_together_when_they_add_up(tmp_pat
 
 def test_a_combination_that_does_not_beat_the_best_alone_is_not_accepted(tmp_path, monkeypatch):
     seen = _scored(monkeypatch, union_gain=50)
-    _one_round_replans(monkeypatch)
-    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 1").replace("workers = 2", "workers = 1")})
-    monkeypatch.chdir(root)
-    build_in_process(root, "targets/small.toml")
-    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    state = _one_round_of_three(tmp_path, monkeypatch)
     (h,) = state["history"]
     assert h["before"] - h["after"] == 100 and "+" not in h["proposal"]
     assert seen == [1, 1, 1, 3] and state["heuristics"]["three"]["accepted"] == 1
@@ -733,11 +729,7 @@ def test_a_combination_that_does_not_beat_the_best_alone_is_not_accepted(tmp_pat
 
 def test_when_the_combination_does_not_build_the_best_two_are_tried_together(tmp_path, monkeypatch):
     seen = _scored(monkeypatch, union_gain=None)
-    _one_round_replans(monkeypatch)
-    root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 1").replace("workers = 2", "workers = 1")})
-    monkeypatch.chdir(root)
-    build_in_process(root, "targets/small.toml")
-    state = read_state(root / ".ipubuild" / "search" / "small.state.json")
+    state = _one_round_of_three(tmp_path, monkeypatch)
     (h,) = state["history"]
     assert seen == [1, 1, 1, 3, 2] and state["attempts"] == 5
     assert h["before"] - h["after"] == 200 and sorted(h["proposal"].split("+")) == ["three#0", "three#1"]
