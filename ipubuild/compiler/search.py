@@ -33,7 +33,7 @@ from .estimator import Baseline, Estimator
 from .placement import initial_layouts
 from .planning.phases import OPS   # and registers the phases a candidate's evaluation runs
 from .planning.program import plans_of
-from .planning.storage import headroom
+from .planning.storage import headroom, tile_ranges
 
 EVALUATION = ("place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels", "link_runtime",
               "size_tile_code", "place_storage", "lower_exchanges", "optimize_exchange_placement")
@@ -154,22 +154,24 @@ def evaluate(engine, base: dict[str, str], layout: dict, config: dict) -> dict:
         return {"invalid": str(exc)}
     cost = engine.decoded(artifacts["cost"])
     after = engine.stats
-    memory = machine_from(engine.fetch(artifacts["machine"]))["memory"]
+    machine = machine_from(engine.fetch(artifacts["machine"]))
     room = headroom(engine.decoded(artifacts["storage"]), buffers_of(engine.decoded(artifacts["program"])),
-                    memory["alignment"])
+                    machine["memory"]["alignment"])
     return {"cycles": cost["final_cycles"], "exchange": cost["final_exchange"], "headroom": room,
-            "code_room": code_room(engine.decoded(artifacts["provisional_storage"]), memory["executable_end"]),
+            "code_room": code_room(engine.decoded(artifacts["provisional_code"]), machine),
             "hits": after["hit"] - before["hit"], "misses": after["miss"] - before["miss"]}
 
 
-def code_room(provisional: dict, executable_end: int) -> list[int]:
-    """Per tile (tile order), the executable memory the provisional placement's generated code
-    left free: a candidate whose code outgrows it does not build. The estimator's code is 1–2 KB
-    under the provisional figure on ViT-B/16's fullest tiles, so screening bounds its growth by
-    this, as it bounds data by the headroom."""
-    out = [0] * len(provisional)
-    for tile, p in provisional.items():
-        out[int(tile)] = executable_end - p["ranges"]["code_end"]
+def code_room(provisional_code: dict, machine: dict) -> list[int]:
+    """Per tile (tile order), the executable memory the generated code at its provisional size
+    (``{tile: bytes}``, ``place_provisional_storage``'s) leaves free: a candidate whose code
+    outgrows it does not build. The estimator's code is 1–2 KB under the provisional figure on
+    ViT-B/16's fullest tiles, so screening bounds its growth by this, as it bounds data by the
+    headroom."""
+    end = machine["memory"]["executable_end"]
+    out = [0] * len(provisional_code)
+    for tile, code in provisional_code.items():
+        out[int(tile)] = end - tile_ranges(machine, code)["code_end"]
     return out
 
 

@@ -175,12 +175,15 @@ class _BufferNames:
 
 
 @phase("place_provisional_storage", inputs=("graph", "layout", "machine", "reservations"),
-       outputs=("program", "provisional_storage"), config=("target.tile_count",), hooks=OPS)
+       outputs=("program", "provisional_storage", "provisional_code"), config=("target.tile_count",), hooks=OPS)
 def place_provisional_storage(ctx):
+    """The program, its storage placed with its code at the provisional size, and that size per
+    tile (``{tile: bytes}``: small, so that the search reads it without the placement)."""
     g, m = graph_of(ctx), machine_of(ctx)
     program = build_program(g, ctx.json("layout"), ctx.config["target"]["tile_count"])
     code = provisional_code_bytes(program, reservations_of(ctx))
-    return {"program": program_blob(program), "provisional_storage": _plan(_allocate_all(program, code, m))}
+    return {"program": program_blob(program), "provisional_storage": _plan(_allocate_all(program, code, m)),
+            "provisional_code": _json(code)}
 
 
 @phase("schedule_exchange_phase", inputs=("transfers", "machine"), outputs=("schedule",))
