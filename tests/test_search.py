@@ -733,3 +733,21 @@ def test_when_the_combination_does_not_build_the_best_two_are_tried_together(tmp
     (h,) = state["history"]
     assert seen == [1, 1, 1, 3, 2] and state["attempts"] == 5
     assert h["before"] - h["after"] == 200 and sorted(h["proposal"].split("+")) == ["three#0", "three#1"]
+
+
+def _killed(*args):
+    os._exit(9)          # as the kernel's out-of-memory killer ends a process
+
+
+def test_a_worker_killed_mid_search_is_one_line_naming_memory(tmp_path, monkeypatch):
+    """A forked worker the system kills (out of memory, as a ViT-B/16 search beside a test run
+    was) stops the build with one line saying what to do, not a process-pool error."""
+    from ipubuild import search
+    from ipubuild.errors import UserError
+    monkeypatch.setattr(search, "_evaluate_in_worker", _killed)
+    root = small_tree(tmp_path, workers=2)
+    monkeypatch.chdir(root)
+    with pytest.raises(UserError) as err:
+        build_in_process(root, "targets/small.toml")
+    line = str(err.value)
+    assert "\n" not in line and "out of memory" in line and "[search] workers" in line

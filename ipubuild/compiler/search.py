@@ -227,7 +227,12 @@ class Pool:
         if self.executor is None:
             return [_evaluate_in_worker(*j) for j in jobs]
         futures = [self.executor.submit(_evaluate_in_worker, *j, True) for j in jobs]
-        results = [f.result() for f in futures]
+        try:
+            results = [f.result() for f in futures]
+        except concurrent.futures.BrokenExecutor:
+            raise UserError("search", f"a worker evaluating candidates died (killed by the system: most often "
+                            f"out of memory); give the build more memory, or set [search] workers below "
+                            f"{self.workers}; the search resumes from its last saved round") from None
         for r in results:                                      # [remote tier] workers' counters
             if "remote" in r:
                 _worker["engine"].store.remote.merge(r.pop("remote"))
