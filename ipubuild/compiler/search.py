@@ -626,12 +626,14 @@ class Screening:
 def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(), headroom=None,
                  code_room=None) -> Screening:
     """Screen ``[(heuristic name, Changes), ...]`` (in the heuristics' order): drop the invalid
-    ones (by reason: ``over_memory`` includes those that would add more on a tile than the
-    incumbent's ``headroom`` there, when known: see ``Baseline``), those already evaluated
-    (``visited``: layout digests) and repeats, estimate the rest, keep the ``shortlist_size``
-    cheapest that the estimate finds cheaper than the incumbent (ties: the earlier proposal).
-    Proposals are screened in order of the estimated cost of the operations they change,
-    costliest first, until SCREEN_BUDGET is spent; the rest count as ``unscreened``. A
+    ones (by reason: ``over_memory`` includes those that would add more data or code on a tile
+    than the incumbent's ``headroom`` or ``code_room`` there, when known: see ``Baseline``),
+    those already evaluated
+    (``visited``: layout digests) and repeats, estimate the rest, keep ``shortlist_size`` of
+    those the estimate finds cheaper than the incumbent, cheapest first (ties: the earlier
+    proposal), the cheapest on distinct operations first (``_diverse``). Proposals are
+    screened in ``_screening_order`` (the costliest operations they change first, a chunk of
+    each at a time) until SCREEN_BUDGET is spent; the rest count as ``unscreened``. A
     proposal's id is ``<heuristic>#<index>``: its index in the list its heuristic returned
     this round. Of proposals giving one layout, the earliest speaks for
     it; the others count as ``deduplicated`` (for their heuristics). ``heuristics`` names
@@ -702,9 +704,10 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
 
 
 def _diverse(ranked: list, size: int) -> list:
-    """The first ``size`` of ``ranked`` (shortlist entries, cheapest estimate first), taking
-    first those that change operations none taken before changes: the cheapest estimates are
-    often one operation's neighbouring plans, and disjoint improvements can be combined."""
+    """``size`` of ``ranked`` (shortlist entries, cheapest estimate first): first each entry
+    that touches no operation an earlier one taken touches, then the rest in order. The
+    cheapest estimates are often one operation's neighbouring plans, and only improvements on
+    distinct operations can be combined."""
     taken, rest, ops = [], [], set()
     for entry in ranked:
         mine = _touched(entry[4])
