@@ -409,7 +409,6 @@ class Baseline:
     def __init__(self, est: Estimator, layout: dict, headroom=None, code_room=None):
         self.est, self.layout = est, layout
         self.headroom = None if headroom is None else np.asarray(headroom, dtype=np.int64)
-        self.code_room = None if code_room is None else np.asarray(code_room, dtype=np.int64)
         self.res = est.resolve(layout)
         self.terms = {op.id: est.term(op, layout, self.res) for op in est.g.ops}
         valid = all(t is not None for t in self.terms.values())
@@ -418,6 +417,9 @@ class Baseline:
         for t in self.terms.values():
             if t is not None:
                 self.loads.add(t)
+        # per tile, the estimated code a layout may reach: the layout's own plus its room
+        self.code_limit = None if code_room is None else \
+            self.loads.code_with_kernels() + np.asarray(code_room, dtype=np.int64)
         self.asked: set[tuple] = set()        # the terms compare() has asked for (cached or not)
 
     def compare(self, layout: dict) -> tuple[int | None, bool]:
@@ -448,8 +450,8 @@ class Baseline:
         if fits and grown is not None:
             grown += np.maximum(loads.const - self.loads.const, 0)
             fits = not (grown > self.headroom).any()
-        if fits and self.code_room is not None:
-            fits = not (loads.code_with_kernels() - self.loads.code_with_kernels() > self.code_room).any()
+        if fits and self.code_limit is not None:
+            fits = not (loads.code_with_kernels() > self.code_limit).any()
         return total, fits
 
 

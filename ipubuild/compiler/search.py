@@ -711,8 +711,10 @@ def _diverse(ranked: list, size: int) -> list:
     taken, rest, ops = [], [], set()
     for entry in ranked:
         mine = _touched(entry[4])
-        (rest if mine & ops else taken).append(entry)
-        if not mine & ops:
+        if mine & ops:
+            rest.append(entry)
+        else:
+            taken.append(entry)
             ops |= mine
     return sorted((taken + rest)[:size], key=lambda t: (t[0], t[1]))
 
