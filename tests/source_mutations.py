@@ -131,9 +131,10 @@ T_PAIRED = ("tests/test_programs.py::test_a_paired_exchange_plan_builds_runs_and
 SIM = "ipubuild/builtin/simulator.py"
 MUTATIONS += [
     # (6) paired exchange
-    SourceMutation("simulator_times_paired_as_ordinary", "paired", "the simulator ignores pairing when timing a step",
-                   SIM, r"exchange\.horizon_of\(es, machine, paired\[s\]\)", "exchange.horizon_of(es, machine, False)",
-                   T_PAIRED),
+    SourceMutation("planner_times_paired_as_ordinary", "paired", "the planner (whose horizons the package carries "
+                   "and the simulator reports) ignores pairing when timing a step",
+                   "ipubuild/compiler/planning/phases.py", r"exchange\.horizon_of\(entries, m, t\[\"use_paired\"\]\)",
+                   "exchange.horizon_of(entries, m, False)", T_PAIRED),
     SourceMutation("simulator_skips_paired_exchanges", "paired", "the simulator skips the transfers of paired steps",
                    SIM, r"^                run_exchange\(memory, row_of, plan\.entries\[s\]\)$",
                    "                if not host_program['paired'][s]:\n"

@@ -174,6 +174,44 @@ def test_the_c_copier_does_what_the_numpy_form_does(monkeypatch):
     assert outcomes == {True, False}          # both kinds of phase were met
 
 
+def test_the_c_copier_tells_tiles_apart_past_255_destinations(monkeypatch):
+    """The copier marks each destination tile's bytes with a count that wraps at 255: 600 tiles
+    each written at the same addresses is no double write, a second write on the last tile is."""
+    tiles = 600
+    memory, row_of = tile_memory(*(np.full(64, t % 256, np.uint8) for t in range(tiles)))
+    same = [[t, 0, 8, (t + 1) % tiles, 16, 8, 2, 8] for t in range(tiles)]
+    for switch in ("1", "0"):
+        monkeypatch.setenv("IPUBUILD_NATIVE_SIM_EXCHANGE", switch)
+        mem = memory.copy()
+        run_exchange(mem, row_of, same)
+        assert (mem[np.arange(tiles), 16] == np.arange(-1, tiles - 1) % tiles % 256).all()
+        with pytest.raises(UserError, match="write the same bytes"):
+            run_exchange(memory.copy(), row_of, same + [[0, 0, 8, tiles - 1, 20, 8, 1, 4]])
+
+
+def test_the_c_data_range_check_does_what_the_numpy_form_does(monkeypatch):
+    """Random entries against random data ranges (some tiles past the table, some entries moving
+    nothing): the same rows found outside on both sides."""
+    from ipubuild.builtin import exchange_copy
+    from ipubuild.builtin.simulator import _inside, data_bounds
+    if exchange_copy.library() is None:
+        pytest.fail("the simulator's exchange copier does not compile here")
+    rng = np.random.default_rng(5)
+    seen = set()
+    for trial in range(100):
+        data = {t: sorted([int(a), int(a) + int(rng.integers(0, 200))] for a in rng.integers(0, 400, int(rng.integers(0, 4))))
+                for t in range(3)}
+        bounds = data_bounds(data, 3)
+        entries = np.array(_random_phase(rng, 4, 512, 20), dtype=np.int64).reshape(-1, 8)
+        found = []
+        for switch in ("1", "0"):
+            monkeypatch.setenv("IPUBUILD_NATIVE_SIM_EXCHANGE", switch)
+            found.append(_inside(entries, bounds))
+        assert (found[0] == found[1]).all(), trial
+        seen.update(found[0].ravel().tolist())
+    assert seen == {True, False}
+
+
 def test_kernel_loop_through_doit(tmp_path):
     tree = small_tree(tmp_path, with_ipubuild=True)
     rc, log = doit(tree, "build:small")

@@ -123,7 +123,7 @@ def copy_package(kernel: bytes):
     inputs = [{"name": "in", "dtype": "f32", "shape": [16], "scale_exp": 0, "ranges": [[0, 64, 0, src]]}]
     outputs = [{"name": "out", "dtype": "f32", "shape": [4, 4], "scale_exp": 0, "ranges": [[0, 64, 1, DATA]]}]
     program = canonical.dumps({"initialize": {"phases": 1}, "run": {"phases": 2}, "steps": ["copy", "send"],
-                               "paired": [False, True], "inputs": inputs, "outputs": outputs})
+                               "paired": [False, True], "horizons": [0, 7], "inputs": inputs, "outputs": outputs})
     manifest = {
         "format": FORMAT_VERSION, "compiler": __version__, "target": "copy", "tiles": 3, "used_tiles": 2,
         "idle_image": di, "tile_images": [d0, d1, di],
@@ -377,6 +377,7 @@ def mutate_phases(rnd, manifest, members):
     program = canonical.loads(members["host/program.json"])
     program["run"] = manifest["host"]["run"] = {"phases": n}
     program["steps"], program["paired"] = [f"s{i}" for i in range(n)], [i % 2 == 1 for i in range(n)]
+    program["horizons"] = [i for i in range(n)]
     replace_member(manifest, members, "host/program.json", canonical.dumps(program), "host")
 
 

@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ipubuild.graph.program_buffers import buffers_of
@@ -218,6 +219,16 @@ def test_a_paired_exchange_plan_builds_runs_and_is_timed_paired_on_the_simulator
         assert profile["steps"][s]["exchange"] == cost["steps"][s]["exchange"] == with_pairs, (s, profile["steps"][s])
     assert [st["exchange"] for st in profile["steps"]] == [st["exchange"] for st in cost["steps"]]
     assert profile["total_cycles"] == cost["final_cycles"]
+    # the package's horizons (which the simulator reports) are its own tables', timed as the host
+    # program says each step is paired or not
+    from ipubuild.device.package import Package
+    pkg = Package(built.ws.engine.fetch(built.out["paired/package"]))
+    tables = [pkg.decoded[d][1] for d in pkg.manifest["tile_images"] if d in pkg.decoded]
+    for s, (pairs, horizon) in enumerate(zip(pkg.host_program["paired"], pkg.host_program["horizons"])):
+        step = [g.take(np.flatnonzero(steps == s)) for steps, g in tables]
+        groups = exchange.Groups(np.concatenate([g.heads for g in step]), np.concatenate([g.extra for g in step]),
+                                 np.concatenate([[0], np.cumsum(np.concatenate([np.diff(g.starts) for g in step]))]))
+        assert horizon == (exchange.horizon_of(groups, m, pairs) if len(groups) else 0), s
     # the paired steps' data arrived: the operation reading it (and every later one) matches its reference
     program = built.json("program")
     each = {e["op"]: e for e in verdict["operations"]["each"]}

@@ -28,6 +28,19 @@ DATA = 393216
 KERNELS = {"add_f32": ("add.c", []), "copy": ("copy.c", [])}
 
 
+@pytest.fixture(params=["C", "python"], autouse=True)
+def native_form(request, monkeypatch):
+    """Every test runs with the simulator's and the reader's loops in C (vertex calls, exchange
+    copies, checks and grouping, table reading) and in their Python forms (``$IPUBUILD_NATIVE=0``:
+    vertices called through ctypes one at a time)."""
+    from ipubuild.builtin import exchange_copy, vertex_runner
+    from ipubuild.compiler.planning import codegen_native
+    monkeypatch.setenv("IPUBUILD_NATIVE", "1" if request.param == "C" else "0")
+    if request.param == "C" and None in (vertex_runner.library(), exchange_copy.library(), codegen_native.library()):
+        pytest.fail("the simulator's loops do not compile here")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def objects():
     cc, cflags = compiler()
@@ -37,10 +50,12 @@ def objects():
             for name, (src, defines) in KERNELS.items()}
 
 
-def package(objects, programs: dict, exchange_entries: list, outputs: list, data: dict, tiles=4) -> bytes:
+def package(objects, programs: dict, exchange_entries: list, outputs: list, data: dict, tiles=4,
+            horizons=None) -> bytes:
     """A package: ``programs[tile] = [[step, [[kernel, args], ...]], ...]`` (a tile of the target
     without a program computes nothing; tiles past the last program's are idle), every tile's
-    exchange entries, output bindings and initial data by tile."""
+    exchange entries, output bindings, initial data by tile and each step's exchange cycles
+    (``horizons``, default 0)."""
     images, kernels = {}, {}
     used = 1 + max(programs)
     for tile, steps in ((t, programs.get(t, [])) for t in range(used)):
@@ -57,7 +72,7 @@ def package(objects, programs: dict, exchange_entries: list, outputs: list, data
     idle = codegen.build_image({}, {}, [])
     n_steps = 1 + max(s for steps in programs.values() for s, _ in steps)
     host = canonical.dumps({"initialize": {"phases": 1}, "run": {"phases": n_steps},
-                            "steps": [f"step{s}" for s in range(n_steps)], "paired": [False] * n_steps,
+                            "steps": [f"step{s}" for s in range(n_steps)], "paired": [False] * n_steps, "horizons": horizons or [0] * n_steps,
                             "inputs": [], "outputs": outputs})
     members = {f"images/{canonical.digest(i)}.img": i for i in [*images.values(), idle]}
     members.update({f"kernels/{k}.so": objects[k] for k in kernels}, **{"host/program.json": host})
@@ -89,8 +104,10 @@ def test_exchange_then_vertices_and_the_profile(objects, tmp_path, monkeypatch, 
                 2: [[0, []]],
                 3: [[0, [["add_f32", [DATA, DATA, DATA, 1, 4, 1]]]]]}
     entries = [[0, 2, DATA, 16, 0, DATA + 64, 16, 2, 16]]
+    horizon = exchange.horizon_of([e[1:] for e in entries], MACHINE, False)
     pkg = package(objects, programs, entries, [out("sum", 8, 0, DATA + 512), out("twice", 4, 3, DATA)],
-                  {0: {f"b@{DATA}": b}, 2: {f"a@{DATA}": a}, 3: {f"c@{DATA}": np.ones(4, np.float32)}})
+                  {0: {f"b@{DATA}": b}, 2: {f"a@{DATA}": a}, 3: {f"c@{DATA}": np.ones(4, np.float32)}},
+                  horizons=[horizon, 0])
     run = Simulator().run(pkg, {}, tmp_path)
     np.testing.assert_array_equal(run.outputs["sum"], a + b)
     np.testing.assert_array_equal(run.outputs["twice"], np.full(4, 2, np.float32))
@@ -98,7 +115,6 @@ def test_exchange_then_vertices_and_the_profile(objects, tmp_path, monkeypatch, 
     reg, x = registry(), MACHINE["exchange"]
     add = reg.kernels["add_f32"].cycles([DATA + 64, DATA, DATA + 64, 1, 8, 1], MACHINE)
     cp = reg.kernels["copy"].cycles([DATA + 64, DATA + 512, 1, 32, 32, 32], MACHINE)
-    horizon = exchange.horizon_of([e[1:] for e in entries], MACHINE, False)
     add3 = reg.kernels["add_f32"].cycles([DATA, DATA, DATA, 1, 4, 1], MACHINE)
     p = run.profile
     assert p["ok"] and p["tiles_used"] == 4         # tile 1 of the target computes nothing but is loaded

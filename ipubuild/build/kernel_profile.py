@@ -30,68 +30,91 @@ from pathlib import Path
 
 from ..engine import canonical
 from ..graph import tensors
+import numpy as np
+
+from ..builtin import vertex_runner
 from ..builtin.simulator import Simulator, _input_bytes, _Plan, _row, load_vertex, run_exchange, tell_tile
 from ..engine.engine import phase
 from ..engine.errors import UserError
 from ..compiler.kernels import COUNT_FLAGS, counting
 
 
-def _counted_kernels(plain: dict, counted: dict[str, bytes], workdir: Path, tile_bytes: int, map_at: int) -> dict:
-    """The package's kernels ``plain`` (``{variant: (vertex function, reason function)}``, as the
-    simulator loads them) with each one's counted object (if it has one) in their place, told the
-    tile's size and where its data map lies as the simulator tells a checked build:
-    ``fn(mem, args)`` returns ``(result, blocks or None)``."""
-    out = {}
-    for name, (fn, why) in plain.items():
-        if name not in counted:
-            out[name] = (_uncounted(fn), why)
-            continue
-        lib, fn = load_vertex(Path(workdir) / f"counted-{name}.so", counted[name], "ipu_counted_vertex",
-                              [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)],
-                              f"kernel {name}", "cannot load its counted object")
-        tell_tile(lib, tile_bytes, map_at)
-        out[name] = (_counting(fn), why)
-    return out
+class _Counting(Simulator):
+    """The simulator's loading, with each kernel variant's counted build (``counted``: its
+    object's bytes) loaded beside its plain one and told the tile's size and where its data map
+    lies, as the simulator tells a checked build: ``self.counted`` is ``{variant: counted entry
+    point}``."""
+
+    def __init__(self, counted: dict[str, bytes]):
+        self.objects, self.counted = counted, {}
+
+    def _load_kernels(self, pkg, workdir, tile_bytes, map_at):
+        plain = super()._load_kernels(pkg, workdir, tile_bytes, map_at)
+        for name in plain:
+            if name in self.objects:
+                lib, fn = load_vertex(Path(workdir) / f"counted-{name}.so", self.objects[name], "ipu_counted_vertex",
+                                      [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)],
+                                      f"kernel {name}", "cannot load its counted object")
+                tell_tile(lib, tile_bytes, map_at)
+                self.counted[name] = fn
+        return plain
 
 
-def _uncounted(fn):
-    return lambda mem, args: (fn(mem, args), None)
+def _counted_blocks(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes]):
+    """Run the program of ``pkg`` (a ``Package``) on the host, step by step, every vertex in
+    tile then program order, each kernel variant's counted build in place of its plain one
+    where it has one: ``(the _Plan, each vertex's executed blocks)`` (``2**64 - 1`` where
+    uncounted), vertices in the plan's order."""
+    loader = _Counting(counted)
+    plan, memory, row_of = _loaded_plan(loader, pkg, inputs, workdir)
+    fns = [loader.counted.get(name) or fn for name, (fn, _) in zip(plan.names, plan.kernels)]
+    flags = np.array([name in loader.counted for name in plan.names] + [False], np.uint8)
+    addresses = np.array([ctypes.cast(fn, ctypes.c_void_p).value for fn in fns] + [0], np.uint64)
+    blocks = np.empty(len(plan.kernel), np.uint64)
+    count = ctypes.c_uint64()
+    for s in range(len(plan.step_bounds) - 1):
+        run_exchange(memory, row_of, plan.entries[s])
+        lo, hi = plan.step_bounds[s], plan.step_bounds[s + 1]
+        k = plan.kernel[lo:hi]
+        found = vertex_runner.count(addresses[k], flags[k], plan.mems[lo:hi], plan.argp[lo:hi])
+        if found is None:                                # through ctypes, one call at a time
+            found = np.empty(hi - lo, np.uint64)
+            for j, i in enumerate(range(lo, hi)):
+                fn, mem, args = fns[plan.kernel[i]], int(plan.mems[i]), int(plan.argp[i])
+                if flags[plan.kernel[i]]:
+                    fn(mem, args, ctypes.byref(count))
+                    found[j] = count.value
+                else:
+                    fn(mem, args)
+                    found[j] = UNCOUNTED
+        blocks[lo:hi] = found
+    return plan, blocks
 
 
-def _counting(fn):
-    blocks = ctypes.c_uint64()
-
-    def call(mem, args):
-        rc = fn(mem, args, ctypes.byref(blocks))
-        return rc, blocks.value
-    return call
+UNCOUNTED = np.uint64(2**64 - 1)
 
 
-def _executed(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes] | None = None):
-    """Run the program of ``pkg`` (a ``Package``) on the host, one vertex after another in
-    program order: yield ``(kernel, args, call)`` for every vertex call, in order, and the caller
-    makes the ``call()`` (with ``counted``, see ``_counted_kernels``)."""
-
-    class Host(Simulator):
-        def _load_kernels(self, pkg, workdir, tile_bytes, map_at):
-            plain = super()._load_kernels(pkg, workdir, tile_bytes, map_at)
-            return plain if counted is None else _counted_kernels(plain, counted, workdir, tile_bytes, map_at)
-
+def _loaded_plan(loader: Simulator, pkg, inputs: dict, workdir: Path):
+    """``pkg`` loaded by ``loader`` with ``inputs`` written: ``(its _Plan on one lane, memory,
+    row_of)``."""
     m = pkg.manifest
-    machine = m["machine"]
-    memory, row_of, programs, tables, data = Host()._load(pkg, machine, workdir)
-    paired = canonical.loads(pkg.member("host/program.json"))["paired"]
-    n_steps = m["host"]["run"]["phases"]
-    plan = _Plan(memory, programs, tables, machine, n_steps, paired, 1, data=data)
+    loaded = loader._load(pkg, m["machine"], workdir)
+    plan = _Plan(loaded, m["machine"], m["host"]["run"]["phases"])
     for b in m["inputs"]:
         raw = _input_bytes(b, inputs)
         for off, size, tile, addr in b["ranges"]:
-            memory[_row(row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
-    for s in range(n_steps):
+            loaded.memory[_row(loaded.row_of, tile, b["name"]), addr:addr + size] = raw[off:off + size]
+    return plan, loaded.memory, loaded.row_of
+
+
+def _executed(pkg, inputs: dict, workdir: Path):
+    """Run the program of ``pkg`` (a ``Package``) on the host, one vertex after another in
+    program order: yield ``(kernel, args, call)`` for every vertex call, in order, and the caller
+    makes the ``call()``."""
+    plan, memory, row_of = _loaded_plan(Simulator(), pkg, inputs, workdir)
+    for s in range(len(plan.step_bounds) - 1):
         run_exchange(memory, row_of, plan.entries[s])
-        # one lane: every call of the step in tile order, then program order, as in ``programs``
-        for fn, mem, address, _, _, kname, _, _, a in plan.lanes[s][0]:
-            yield kname, a, lambda fn=fn, mem=mem, address=address: fn(mem, address)
+        yield from plan.calls(s)         # every call of the step in tile order, then program order
 
 
 def _inputs(graph: dict, params: bytes) -> dict:
@@ -113,33 +136,20 @@ def measure_kernels(ctx):
             "measure": "", "kernels": {}, "notes": [
                 f"kernels not counted: [profile] kernel_counts = {ctx.config['profile']['kernel_counts']!r} "
                 f"on {ctx.config['target']['tile_count']} tiles; set it to \"on\" to count them"]})}
-    from ..graph.operators import registry
     from ..device.package import validated
-    reg = registry()
     counted = ctx.json("counted_objects")
     objects = {name: ctx.engine.fetch(d) for name, d in counted["objects"].items()}
-    pkg = validated(ctx.bytes("package"), "package")
-    machine = pkg.manifest["machine"]
-    kinds: dict[str, dict] = {}
-    estimates: dict[tuple, int] = {}
+    pkg = validated(ctx.bytes("package"), "package", ctx.digest("package"))
     with tempfile.TemporaryDirectory(prefix="ipubuild-measure-") as work:
-        for kname, a, call in _executed(pkg, _inputs(ctx.json("graph"), ctx.bytes("params")), Path(work), objects):
-            _, blocks = call()
-            key = (kname, *a)
-            if key not in estimates:
-                estimates[key] = int(reg.kernels[kname].cycles(a, machine))
-            k = kinds.setdefault(kname, {"calls": 0, "estimated_cycles": 0, "blocks": 0,
-                                         "blocks_per_call": None})
-            k["calls"] += 1
-            k["estimated_cycles"] += estimates[key]
-            if blocks is None:          # no counted build: every call of the variant is uncounted
-                continue
-            k["blocks"] += blocks
-            lo, hi = k["blocks_per_call"] or (blocks, blocks)
-            k["blocks_per_call"] = [min(lo, blocks), max(hi, blocks)]
-    for name in kinds:
-        if name not in objects:
-            kinds[name]["blocks"] = None
+        plan, blocks = _counted_blocks(pkg, _inputs(ctx.json("graph"), ctx.bytes("params")), Path(work), objects)
+    kinds: dict[str, dict] = {}
+    for k in sorted(set(plan.kernel.tolist())):
+        mine = plan.kernel == k
+        executed = blocks[mine]
+        kinds[plan.names[k]] = {
+            "calls": int(mine.sum()), "estimated_cycles": int(plan.cycles[mine].sum()),
+            "blocks": None if (executed == UNCOUNTED).any() else int(executed.sum(dtype=np.uint64)),
+            "blocks_per_call": None if (executed == UNCOUNTED).any() else [int(executed.min()), int(executed.max())]}
     by_reason: dict[str, list[str]] = {}
     for name, note in sorted(counted["notes"].items()):
         by_reason.setdefault(note, []).append(name)

@@ -27,8 +27,10 @@ def library():
     return native.library("sim_exchange", SOURCE, {
         "xc_check": (I64, [I64, P, P, I64, I64]),
         "xc_gather": (None, [I64, P, P, I64, P, P]),
-        "xc_overlap": (I64, [I64, P, P, P]),
-        "xc_scatter": (None, [I64, P, P, I64, P, P])},
+        "xc_overlap": (I64, [I64, P, P, I64, P]),
+        "xc_scatter": (None, [I64, P, P, I64, P, P]),
+        "xc_inside": (None, [I64, P, I64, I64, P, P, P]),
+        "xc_by_step": (None, [I64, P, P, I64, P, P])},
         switch="IPUBUILD_NATIVE_SIM_EXCHANGE")
 
 
@@ -54,11 +56,41 @@ def copy_phase(memory: np.ndarray, row_of: np.ndarray, entries: np.ndarray):
     lib.xc_gather(n, c(e), c(rows_of), size, c(memory), c(stage))
     # the destinations tile by tile (entries in order within a tile), each tile's bytes stamped
     order = np.ascontiguousarray(np.argsort(e[:, 3], kind="stable"), dtype=np.int64)
-    stamp = np.zeros(size, np.int32)
-    if lib.xc_overlap(n, c(e), c(order), c(stamp)) >= 0:
+    stamp = np.zeros(size, np.uint8)
+    if lib.xc_overlap(n, c(e), c(order), size, c(stamp)) >= 0:
         return ("overlap", -1)
     lib.xc_scatter(n, c(e), c(rows_of), size, c(memory), c(stage))
     return None
+
+
+def inside(entries: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
+    """``[2, n]``: whether each entry's source rows (0) and destination rows (1) lie inside one
+    of their tile's ranges ``[lo[tile, j], hi[tile, j])`` (an entry that moves nothing is inside;
+    a tile past the tables is not); None if the C form is not available."""
+    lib = library()
+    if lib is None:
+        return None
+    e = np.ascontiguousarray(entries, dtype=np.int64)
+    lo, hi = (np.ascontiguousarray(a, dtype=np.int64) for a in (lo, hi))
+    out = np.empty((2, len(e)), np.uint8)
+    lib.xc_inside(len(e), e.ctypes.data, lo.shape[0], lo.shape[1], lo.ctypes.data, hi.ctypes.data, out.ctypes.data)
+    return out.astype(bool)
+
+
+def by_step(entries: np.ndarray, steps: np.ndarray, n_steps: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """``entries`` (``[n, 8]``) ordered by their ``steps`` (each in ``[0, n_steps)``), the order
+    among one step's kept, and where each step's begin (``n_steps + 1`` bounds); None if the C
+    form is not available. A counting sort: the entries come tile by tile, each tile's in step
+    order, and a gather of them by a sorted index jumps between tiles at every row."""
+    lib = library()
+    if lib is None:
+        return None
+    e = np.ascontiguousarray(entries, dtype=np.int64)
+    s = np.ascontiguousarray(steps, dtype=np.int64)
+    out = np.empty_like(e)
+    bounds = np.empty(n_steps + 1, np.int64)
+    lib.xc_by_step(len(e), e.ctypes.data, s.ctypes.data, n_steps, out.ctypes.data, bounds.ctypes.data)
+    return out, bounds
 
 
 SOURCE = r"""/* The simulator's exchange phase (builtin/exchange_copy.py): entries are int64 rows of
@@ -96,24 +128,60 @@ void xc_gather(int64_t n, const int64_t *e, const int64_t *row_of, int64_t size,
 }
 
 /* -1, or the first entry (in `order`: by destination tile) writing a byte one before it wrote.
- * stamp (one tile's bytes, zeroed) holds at b the 1-based count of the destination tile that
- * last wrote byte b, so the stamps of one tile never match another's */
-int64_t xc_overlap(int64_t n, const int64_t *e, const int64_t *order, int32_t *stamp) {
+ * stamp (one tile's bytes, zeroed) holds at b the mark of the destination tile that last wrote
+ * byte b: marks count 1..255 and the stamps are cleared when they wrap, so the stamps of one
+ * tile never match another's. A row is checked whole (a loop the compiler vectorises), then
+ * stamped with memset. */
+int64_t xc_overlap(int64_t n, const int64_t *e, const int64_t *order, int64_t size, uint8_t *stamp) {
     int64_t tile = -1;
-    int32_t mark = 0;
+    uint8_t mark = 0;
     for (int64_t k = 0; k < n; k++) {
         const int64_t *x = e + 8 * order[k];
         if (x[6] <= 0 || x[7] <= 0) continue;
-        if (x[3] != tile) { tile = x[3]; mark++; }
+        if (x[3] != tile) {
+            tile = x[3];
+            if (mark == 255) { memset(stamp, 0, (size_t)size); mark = 0; }
+            mark++;
+        }
         for (int64_t r = 0; r < x[6]; r++) {
-            int32_t *s = stamp + x[4] + r * x[5];
-            for (int64_t b = 0; b < x[7]; b++) {
-                if (s[b] == mark) return order[k];
-                s[b] = mark;
-            }
+            uint8_t *s = stamp + x[4] + r * x[5];
+            int hit = 0;
+            for (int64_t b = 0; b < x[7]; b++) hit |= s[b] == mark;
+            if (hit) return order[k];
+            memset(s, mark, (size_t)x[7]);
         }
     }
     return -1;
+}
+
+/* inside[side * n + i]: whether entry i's rows on that side (0: source, 1: destination) lie in
+ * one of its tile's k ranges [lo, hi) (rows of tiles x k); an entry moving nothing is inside */
+void xc_inside(int64_t n, const int64_t *e, int64_t tiles, int64_t k, const int64_t *lo, const int64_t *hi,
+               uint8_t *inside) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *x = e + 8 * i;
+        for (int side = 0; side < 2; side++) {
+            int64_t tile = x[3 * side], addr = x[3 * side + 1], end = addr + (x[6] - 1) * x[3 * side + 2] + x[7];
+            uint8_t in = x[6] <= 0 || x[7] <= 0;
+            if (!in && tile >= 0 && tile < tiles)
+                for (int64_t j = 0; j < k && !in; j++)
+                    in = lo[tile * k + j] <= addr && end <= hi[tile * k + j];
+            inside[side * n + i] = in;
+        }
+    }
+}
+
+/* entries (rows of 8) ordered by step, stably: bounds[s] is where step s's begin (n_steps + 1 of them) */
+void xc_by_step(int64_t n, const int64_t *e, const int64_t *step, int64_t n_steps, int64_t *out, int64_t *bounds) {
+    for (int64_t s = 0; s <= n_steps; s++) bounds[s] = 0;
+    for (int64_t i = 0; i < n; i++) bounds[step[i] + 1]++;
+    for (int64_t s = 0; s < n_steps; s++) bounds[s + 1] += bounds[s];
+    for (int64_t i = 0; i < n; i++) {
+        int64_t *o = out + 8 * bounds[step[i]]++;
+        memcpy(o, e + 8 * i, 8 * sizeof(int64_t));
+    }
+    for (int64_t s = n_steps; s > 0; s--) bounds[s] = bounds[s - 1];
+    bounds[0] = 0;
 }
 
 /* every staged row to its destination (the writes) */

@@ -91,11 +91,14 @@ def run_device(ctx):
             raise UserError("numerics.compare", f"device {name} cannot read back operations' outputs; "
                             'set it to "outputs" or "auto"')
         mode = "outputs"
+    from .package import validated
+    package = ctx.bytes("package")
+    validated(package, "package", ctx.digest("package"))    # the store checked its digest: not hashed again
     with tempfile.TemporaryDirectory(prefix="ipubuild-device-") as work:
         if mode == "operations":
-            run = backend.run(ctx.bytes("package"), inputs, Path(work), probes=compare.probes(ctx.json("value_map")))
+            run = backend.run(package, inputs, Path(work), probes=compare.probes(ctx.json("value_map")))
         else:
-            run = backend.run(ctx.bytes("package"), inputs, Path(work))
+            run = backend.run(package, inputs, Path(work))
     return {"device_run": tensors.pack(run.outputs), "values": tensors.pack(run.values if mode == "operations" else {}),
             "profile": canonical.dumps(run.profile),
             "trace": canonical.dumps({"traceEvents": run.trace, "displayTimeUnit": "ns"})}

@@ -21,6 +21,7 @@ a one-line :class:`PackageError` naming what is wrong.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import math
@@ -39,7 +40,8 @@ from ..compiler.planning import codegen
 from ..compiler.planning.codegen import read_image
 
 MAGIC = b"IPUEXE\r\n"
-FORMAT_VERSION = 2   # 2: exchange tables of version 2 (broadcast entries; planning/codegen.py)
+FORMAT_VERSION = 3   # 2: exchange tables of version 2 (broadcast entries; planning/codegen.py); 3: the host
+                     # program gives each run phase's exchange cycles (the compiler's schedule)
 HEADER = struct.Struct("<8sII16sQQ32sQ8s")
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(/[A-Za-z0-9_][A-Za-z0-9_.-]*)*")
 
@@ -58,10 +60,22 @@ U64 = (1 << 64) - 1
 # schema ------------------------------------------------------------------------------------
 class _Invalid(Exception):
     """A JSON value that does not match its schema: where it is (``inputs[0].ranges[2][1]``)
-    and what is wrong with it."""
+    and what is wrong with it. Containers add where their item was as the error passes up
+    (``within``), so that checking a valid document formats no paths."""
 
-    def __init__(self, path: str, problem: str):
-        super().__init__(f"{path or 'the document'} {problem}")
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem, self.parts = problem, []       # innermost first: field names, [index], " key"
+
+    def within(self, part) -> "_Invalid":
+        self.parts.append(part)
+        return self
+
+    def __str__(self) -> str:
+        path = ""
+        for part in reversed(self.parts):
+            path += part if part.startswith(("[", " ")) or not path else f".{part}"
+        return f"{path or 'the document'} {self.problem}"
 
 
 def _show(v) -> str:
@@ -75,111 +89,158 @@ def _show(v) -> str:
     return repr(v)
 
 
-class Int:
+class _Schema:
+    """A schema: ``check(value)`` raises ``_Invalid``; ``valid(values)`` says whether every one of
+    a list of values would pass, as fast as it can (a list's items are checked one by one, with
+    their paths, only when they do not all pass)."""
+
+    def valid(self, values: list) -> bool:
+        try:
+            for v in values:
+                self.check(v)
+        except _Invalid:
+            return False
+        return True
+
+
+class Int(_Schema):
     def __init__(self, lo: int = 0, hi: int = U64):
         self.lo, self.hi = lo, hi
 
-    def check(self, v, path):
+    def check(self, v):
         if type(v) is not int or not self.lo <= v <= self.hi:
-            raise _Invalid(path, f"is {_show(v)}, expected an integer in [{self.lo}, {self.hi}]")
+            raise _Invalid(f"is {_show(v)}, expected an integer in [{self.lo}, {self.hi}]")
+
+    def valid(self, values: list) -> bool:
+        return all(type(v) is int for v in values) and (not values or self.lo <= min(values) and max(values) <= self.hi)
 
 
-class Num:
+class Num(_Schema):
     """A finite int or float in ``[lo, hi]``."""
 
     def __init__(self, lo: float, hi: float):
         self.lo, self.hi = lo, hi
 
-    def check(self, v, path):
+    def check(self, v):
         if type(v) not in (int, float) or not math.isfinite(v) or not self.lo <= v <= self.hi:
-            raise _Invalid(path, f"is {_show(v)}, expected a number in [{self.lo}, {self.hi}]")
+            raise _Invalid(f"is {_show(v)}, expected a number in [{self.lo}, {self.hi}]")
 
 
-class Bool:
-    def check(self, v, path):
+class Bool(_Schema):
+    def check(self, v):
         if type(v) is not bool:
-            raise _Invalid(path, f"is {_show(v)}, expected true or false")
+            raise _Invalid(f"is {_show(v)}, expected true or false")
 
 
-class Str:
+class Str(_Schema):
     """A printable string of at most ``max_len`` characters, matching ``pattern`` if given."""
 
     def __init__(self, max_len: int = 256, pattern: str | None = None, what: str = ""):
         self.max_len, self.pattern = max_len, pattern and re.compile(pattern)
         self.what = what or f"a printable string of at most {max_len} characters"
 
-    def check(self, v, path):
+    def check(self, v):
         if not (type(v) is str and len(v) <= self.max_len and v.isprintable()
                 and (self.pattern is None or self.pattern.fullmatch(v))):
-            raise _Invalid(path, f"is {_show(v)}, expected {self.what}")
+            raise _Invalid(f"is {_show(v)}, expected {self.what}")
+
+    def valid(self, values: list) -> bool:
+        if not all(type(v) is str and len(v) <= self.max_len and v.isprintable() for v in values):
+            return False
+        return self.pattern is None or all(map(self.pattern.fullmatch, values))
 
 
-class Enum:
+class Enum(_Schema):
     def __init__(self, *values):
         self.values, self.typed = values, {(type(x), x) for x in values}
 
-    def check(self, v, path):
+    def check(self, v):
         if type(v) not in (int, str) or (type(v), v) not in self.typed:
-            raise _Invalid(path, f"is {_show(v)}, expected one of {', '.join(map(repr, self.values))}")
+            raise _Invalid(f"is {_show(v)}, expected one of {', '.join(map(repr, self.values))}")
+
+    def valid(self, values: list) -> bool:
+        typed = self.typed
+        return all(type(v) in (int, str) and (type(v), v) in typed for v in values)
 
 
-class List:
+class List(_Schema):
     def __init__(self, item, max_len: int = MAX_ITEMS):
         self.item, self.max_len = item, max_len
 
-    def check(self, v, path):
+    def check(self, v):
         if type(v) is not list or len(v) > self.max_len:
-            raise _Invalid(path, f"is {_show(v)}, expected a list of at most {self.max_len} items")
+            raise _Invalid(f"is {_show(v)}, expected a list of at most {self.max_len} items")
+        if self.item.valid(v):
+            return
+        check = self.item.check
         for i, x in enumerate(v):
-            self.item.check(x, f"{path}[{i}]")
+            try:
+                check(x)
+            except _Invalid as exc:
+                raise exc.within(f"[{i}]") from None
 
 
-class Tuple:
+class Tuple(_Schema):
     """A list of exactly ``len(items)`` items, each of its own schema."""
 
     def __init__(self, *items):
         self.items = items
 
-    def check(self, v, path):
+    def valid(self, values: list) -> bool:
+        n = len(self.items)
+        return all(type(v) is list and len(v) == n for v in values) and \
+            all(schema.valid(list(column)) for schema, column in zip(self.items, zip(*values)))
+
+    def check(self, v):
         if type(v) is not list or len(v) != len(self.items):
-            raise _Invalid(path, f"is {_show(v)}, expected a list of {len(self.items)} items")
+            raise _Invalid(f"is {_show(v)}, expected a list of {len(self.items)} items")
         for i, (schema, x) in enumerate(zip(self.items, v)):
-            schema.check(x, f"{path}[{i}]")
+            try:
+                schema.check(x)
+            except _Invalid as exc:
+                raise exc.within(f"[{i}]") from None
 
 
-class Obj:
+class Obj(_Schema):
     """An object with exactly these fields (``extra``: other fields allowed and not looked at)."""
 
     def __init__(self, fields: dict, extra: bool = False):
         self.fields, self.extra = fields, extra
 
-    def check(self, v, path):
+    def check(self, v):
         if type(v) is not dict:
-            raise _Invalid(path, f"is {_show(v)}, expected an object")
-        prefix = f"{path}." if path else ""
+            raise _Invalid(f"is {_show(v)}, expected an object")
         for name, schema in self.fields.items():
             if name not in v:
-                raise _Invalid(prefix + name, "is missing")
-            schema.check(v[name], prefix + name)
+                raise _Invalid("is missing").within(name)
+            try:
+                schema.check(v[name])
+            except _Invalid as exc:
+                raise exc.within(name) from None
         if not self.extra:
             for name in v:
                 if name not in self.fields:
-                    raise _Invalid(path, f"has an unknown field {_show(name)}")
+                    raise _Invalid(f"has an unknown field {_show(name)}")
 
 
-class Map:
+class Map(_Schema):
     """An object whose keys match ``key`` and whose values match ``value``."""
 
     def __init__(self, key: Str, value, max_len: int = MAX_ITEMS):
         self.key, self.value, self.max_len = key, value, max_len
 
-    def check(self, v, path):
+    def check(self, v):
         if type(v) is not dict or len(v) > self.max_len:
-            raise _Invalid(path, f"is {_show(v)}, expected an object of at most {self.max_len} fields")
-        prefix = f"{path}." if path else ""
+            raise _Invalid(f"is {_show(v)}, expected an object of at most {self.max_len} fields")
         for name, x in v.items():
-            self.key.check(name, f"{path} key")
-            self.value.check(x, prefix + name)
+            try:
+                self.key.check(name)
+            except _Invalid as exc:
+                raise exc.within(" key") from None
+            try:
+                self.value.check(x)
+            except _Invalid as exc:
+                raise exc.within(name) from None
 
 
 DIGEST = Str(64, r"[0-9a-f]{64}", "a sha256 hex digest")
@@ -223,6 +284,7 @@ MANIFEST = Obj({
 HOST_PROGRAM = Obj({                            # member host/program.json
     "initialize": PHASES, "run": PHASES,
     "steps": List(LABEL, MAX_PHASES), "paired": List(Bool(), MAX_PHASES),   # per run phase
+    "horizons": List(COUNT, MAX_PHASES),        # per run phase: its exchange's cycles, as scheduled
     "inputs": List(BINDING, 1 << 12), "outputs": List(BINDING, 1 << 12),
 })
 
@@ -235,6 +297,24 @@ TILE_IMAGE = Obj({                              # a tile image's header
     "tile_image": Enum(1),
     "segments": List(Tuple(Enum("kernel", "program", "exchange", "data"), LABEL, ADDRESS, SIZE, DIGEST)),
 })                                              # [kind, name, address, size, sha256]
+
+
+def _parse(raw: bytes, integers: bool):
+    """JSON ``raw`` (ASCII only) parsed; with ``integers``, by orjson where it can (json for what
+    it refuses, such as integers beyond 64 bits)."""
+    raw.decode("ascii")
+    if integers:
+        import orjson
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
+
+
+def _orjson_dumps(value) -> bytes:
+    import orjson
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
@@ -296,23 +376,25 @@ class Package:
     def _fail(self, message: str):
         raise PackageError(self.where, message)
 
-    def _document(self, raw: bytes, schema, what: str):
-        """Parse canonical JSON ``raw`` and check it against ``schema``."""
+    def _document(self, raw: bytes, schema, what: str, integers: bool = False):
+        """Parse canonical JSON ``raw`` and check it against ``schema``. ``integers``: the
+        schema admits no floats, so orjson may parse and write it (the same canonical bytes as
+        ``canonical.dumps`` for such documents; several times faster on tile images' headers)."""
         if len(raw) > MAX_JSON_BYTES:
             self._fail(f"{what} is larger than {MAX_JSON_BYTES} bytes")
         if _nesting(raw) > MAX_DEPTH:
             self._fail(f"{what} nests deeper than {MAX_DEPTH} levels")
         try:
-            value = json.loads(raw.decode("ascii"))
+            value = _parse(raw, integers)
         except ValueError:          # UnicodeDecodeError and JSONDecodeError are ValueErrors
             self._fail(f"{what} is not valid JSON")
         try:
-            schema.check(value, "")
+            schema.check(value)
         except _Invalid as exc:
             self._fail(f"{what} is not valid: {exc}")
         try:
-            canonical_form = canonical.dumps(value) == raw
-        except ValueError:          # NaN or infinity where the schema looks at nothing
+            canonical_form = (integers and _orjson_dumps(value) == raw) or canonical.dumps(value) == raw
+        except (ValueError, TypeError):          # NaN or infinity where the schema looks at nothing
             canonical_form = False
         if not canonical_form:
             self._fail(f"{what} is not in canonical form")
@@ -379,9 +461,13 @@ class Package:
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
             if b0 < a1:
                 self._fail(f"members {an} and {bn} overlap")
-        for name, (off, size, digest) in self.by_name.items():
-            if canonical.digest(d[off:off + size]) != digest:
-                self._fail(f"bad checksum of member {name}")
+        view = memoryview(d)
+        # hashlib lets go of the GIL on large buffers: a ViT-B/16 package's 426 MB in two threads
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            found = pool.map(lambda span: canonical.digest(view[span[0]:span[0] + span[1]]), self.by_name.values())
+            for (name, (_, _, digest)), got in zip(self.by_name.items(), found):
+                if got != digest:
+                    self._fail(f"bad checksum of member {name}")
 
     def _check_machine(self, m: dict) -> None:
         mc = m["machine"]
@@ -422,9 +508,10 @@ class Package:
             if p[k] != v:
                 self._fail(f"host program: {k} differs from the manifest's")
         phases = host["run"]["phases"]
-        for k in ("steps", "paired"):
+        for k in ("steps", "paired", "horizons"):
             if len(p[k]) != phases:
                 self._fail(f"host program: {len(p[k])} {k} for {phases} run phases")
+        self.host_program = p
         return host
 
     def _image(self, m: dict, digest: str, used: set | None, phases: int) -> tuple[dict, dict]:
@@ -436,13 +523,13 @@ class Package:
             self._fail(f"{what} is malformed: truncated")
         base = 4 + struct.unpack_from("<I", blob)[0]
         arrays, pos = {}, base
-        for name, _, (length,), off, size in self._document(blob[4:base], IMAGE_ARRAYS, f"{what} array table"):
+        for name, _, (length,), off, size in self._document(blob[4:base], IMAGE_ARRAYS, f"{what} array table", True):
             if (arrays and name <= next(reversed(arrays))) or length != size or base + off != pos:
                 self._fail(f"{what} is malformed: array {name} is out of order or place")
             arrays[name], pos = blob[pos:pos + size], pos + size
         if pos != len(blob) or "header" not in arrays:
             self._fail(f"{what} is malformed: its arrays do not fill it or lack the header")
-        header = self._document(arrays.pop("header"), TILE_IMAGE, what)
+        header = self._document(arrays.pop("header"), TILE_IMAGE, what, True)
         self._check_segments(m, what, header["segments"], arrays)
         if used is not None:
             kinds = [s[0] for s in header["segments"]]
@@ -451,7 +538,7 @@ class Package:
             kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
             program = self._check_program(what, arrays["program"], kernels, phases)
             table = self._check_exchange(m, what, arrays["exchange"], used, phases)
-            self._senders[digest] = set(np.unique(table[1].heads[:, 0]).tolist())
+            self._senders[digest] = set(table[1][:, 0].tolist())
             self.decoded[digest] = (program, table)
         return header, arrays
 
@@ -489,51 +576,48 @@ class Package:
             self._fail(f"{what} has arrays no segment places: {', '.join(sorted(set(arrays) - blobs))}")
 
     def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> tuple:
-        """The program, decoded (``codegen.decode_program``), once checked."""
+        """The program, decoded (``codegen.decode_program_arrays``), once checked."""
         try:
-            names, steps = codegen.decode_program(raw)
-            exact = codegen.encode_program(names, steps) == raw
-        except (ValueError, struct.error):
-            exact = False
-        if not exact:
+            names, steps, vertex_kernels, starts, args = codegen.decode_program_arrays(raw)
+        except (ValueError, struct.error):      # a program that decodes is exactly its bytes
             self._fail(f"the program of {what} does not decode")
         for name in names:
             if name not in kernels:
                 self._fail(f"the program of {what} calls kernel {_show(name)} the image does not hold")
-        prev = -1
-        for step, verts in steps:
-            if not prev < step < phases:
-                self._fail(f"the program of {what} has step {step} out of order or past {phases} run phases")
-            prev = step
-            if any(k >= len(names) for k, _ in verts):
-                self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
-        return names, steps
+        order = steps[:, 0]
+        bad = (order >= phases) | (np.diff(order, prepend=-1) <= 0)
+        if bad.any():
+            step = int(order[np.argmax(bad)])
+            self._fail(f"the program of {what} has step {step} out of order or past {phases} run phases")
+        past = vertex_kernels >= len(names)
+        if past.any():
+            step = int(order[np.searchsorted(steps[:, 2], np.argmax(past), "right")])
+            self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
+        return names, steps, vertex_kernels, starts, args
 
     def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int):
-        """The exchange table, decoded (``codegen.decode_exchange_arrays``: each entry's step,
-        and the entries), once checked. Decoding reads every word of the table as it was
-        written, so a table that decodes is exactly its bytes."""
+        """The exchange table, decoded (``codegen.decode_exchange_rows``: each entry's step, its
+        destinations as rows and each row's entry), once checked. Decoding reads every word of
+        the table as it was written, so a table that decodes is exactly its bytes."""
         try:
-            steps, table = codegen.decode_exchange_arrays(raw)
+            steps, rows, entry = codegen.decode_exchange_rows(raw)
         except (ValueError, struct.error):
             self._fail(f"the exchange table of {what} does not decode")
         mc = m["machine"]
         lo, hi = mc["sram_base"], mc["loader_limit"]
-        h, x = table.heads, table.extra
-        owner = np.repeat(np.arange(len(h)), np.diff(table.starts))
-        loaded = np.array(sorted(used), dtype=np.int64)
-
-        def outside(tile, addr, stride, rows, rb):
-            return ~np.isin(tile, loaded) | (addr < lo) | (addr + np.maximum(rows - 1, 0) * stride + rb > hi)
-        bad = (steps >= phases) | outside(h[:, 0], h[:, 1], h[:, 2], h[:, 6], h[:, 7]) \
-            | outside(h[:, 3], h[:, 4], h[:, 5], h[:, 6], h[:, 7])
-        bad[owner[outside(x[:, 0], x[:, 1], x[:, 2], h[owner, 6], h[owner, 7])]] = True
+        loaded = np.zeros(mc["tiles"] + 1, bool)
+        loaded[sorted(used)] = True
+        span = np.maximum(rows[:, [6]] - 1, 0) * rows[:, [2, 5]] + rows[:, [7]]     # bytes from the first row's start
+        tiles = np.minimum(rows[:, [0, 3]], mc["tiles"])
+        outside = (~loaded[tiles] | (rows[:, [1, 4]] < lo) | (rows[:, [1, 4]] + span > hi)).any(axis=1)
+        bad = steps >= phases
+        bad[entry[outside]] = True
         if bad.any():
             i = int(np.argmax(bad))
-            e = [int(steps[i]), *h[i, :6].tolist(), *h[i, 6:].tolist()]
+            e = [int(steps[i]), *rows[np.searchsorted(entry, i)].tolist()]
             self._fail(f"entry {i} {e} of the exchange table of {what} is past the run phases, a "
                        "loaded tile or tile memory")
-        return steps, table
+        return steps, rows, entry
 
     def _check_bindings(self, m: dict, side: str, used: set) -> None:
         mc = m["machine"]
@@ -578,17 +662,22 @@ class Package:
         return written
 
 
-def validated(data: bytes, where: str = "package") -> Package:
+def validated(data: bytes, where: str = "package", digest: str | None = None) -> Package:
     """``Package(data, where)``, validated once per process for the same bytes (the device run
-    and the kernel measurement of one build read the same package): the last one is kept, by the
-    sha256 of its bytes."""
-    digest = hashlib.sha256(data).digest()
-    found = _validated.get((digest, where))
-    if found is None:
-        found = Package(data, where)
-        _validated.clear()
-        _validated[(digest, where)] = found
-    return found
+    and the kernel measurement of one build read the same package): the last one is kept, found
+    again by the bytes object itself or by their sha256 — ``digest`` if the caller knows it (the
+    store verified it when it read them), else computed."""
+    found = _validated.get(where)
+    if found is not None and (found[1].data is data or (digest or _sha256(data)) == found[0]):
+        return found[1]
+    pkg = Package(data, where)
+    _validated.clear()
+    _validated[where] = (digest or _sha256(data), pkg)
+    return pkg
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 _validated: dict = {}

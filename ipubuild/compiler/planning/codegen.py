@@ -31,26 +31,56 @@ def encode_program(kernels: list[str], steps: list) -> bytes:
 
 
 def decode_program(data: bytes) -> tuple[list[str], list]:
+    """A tile program's ``(kernels, steps)`` as ``encode_program`` takes them; ValueError unless
+    the bytes are exactly one."""
+    names, steps, kernels, starts, args = decode_program_arrays(data)
+    args, starts = args.tolist(), starts.tolist()
+    verts = [(k, args[a:b]) for k, a, b in zip(kernels.tolist(), starts, starts[1:])]
+    return names, [(step, verts[v0:v1]) for step, v0, v1 in steps.tolist()]
+
+
+def decode_program_arrays(data: bytes):
+    """A tile program as arrays: ``(kernel names, steps, vertex kernels, argument starts,
+    arguments)`` (``codegen_native.program_arrays``), read in C where a compiler works;
+    ValueError unless the bytes are exactly a program (of version 1, nothing left over), so
+    that a program that decodes is its bytes."""
+    from . import codegen_native
     if data[:4] != PROGRAM_MAGIC:
         raise ValueError("not a tile program")
-    _, nk, ns = struct.unpack_from("<III", data, 4)
-    pos, kernels = 16, []
-    for _ in range(nk):
-        (n,) = struct.unpack_from("<H", data, pos)
-        kernels.append(data[pos + 2:pos + 2 + n].decode())
-        pos += 2 + n
-    steps = []
-    for _ in range(ns):
-        step, nv = struct.unpack_from("<II", data, pos)
-        pos += 8
-        verts = []
-        for _ in range(nv):
-            k, na = struct.unpack_from("<HH", data, pos)
-            args = list(struct.unpack_from(f"<{na}I", data, pos + 4))
-            pos += 4 + 4 * na
-            verts.append((k, args))
-        steps.append((step, verts))
-    return kernels, steps
+    try:
+        found = codegen_native.program_arrays(data)
+        return found if found is not None else _program_arrays_python(data)
+    except UnicodeDecodeError:                   # a kernel name that is not UTF-8
+        raise ValueError("not a tile program") from None
+
+
+def _program_arrays_python(data: bytes):
+    try:
+        version, nk, ns = struct.unpack_from("<III", data, 4)
+        pos, names = 16, []
+        for _ in range(nk):
+            (n,) = struct.unpack_from("<H", data, pos)
+            if pos + 2 + n > len(data):
+                raise ValueError("not a tile program")
+            names.append(data[pos + 2:pos + 2 + n].decode())
+            pos += 2 + n
+        steps, kernels, starts, args = [], [], [0], []
+        for _ in range(ns):
+            step, nv = struct.unpack_from("<II", data, pos)
+            pos += 8
+            steps.append([step, len(kernels), len(kernels) + nv])
+            for _ in range(nv):
+                k, na = struct.unpack_from("<HH", data, pos)
+                args.extend(struct.unpack_from(f"<{na}I", data, pos + 4))
+                kernels.append(k)
+                starts.append(len(args))
+                pos += 4 + 4 * na
+    except struct.error:
+        raise ValueError("not a tile program") from None
+    if version != 1 or pos != len(data):
+        raise ValueError("not a tile program")
+    return (names, np.array(steps, np.int64).reshape(-1, 3), np.array(kernels, np.int64),
+            np.array(starts, np.int64), np.array(args, np.uint32))
 
 
 EXCHANGE_VERSION = 2
@@ -82,32 +112,59 @@ def decode_exchange_arrays(data: bytes):
     """``(steps, entries)``: an exchange table's entries as placed ``exchange.Groups`` and each
     one's step, read without a Python list per entry; ValueError as ``decode_exchange``."""
     from .exchange import Groups
+    words, at = _exchange_entries(data)
+    more = words[at + 6] - 1
+    heads = np.stack([words[at + 1], words[at + 2], words[at + 3], words[at + 7], words[at + 8], words[at + 9],
+                      words[at + 4], words[at + 5]], axis=1).reshape(-1, 8)
+    owner = np.repeat(np.arange(len(at)), more)
+    first = np.cumsum(more) - more
+    where = at[owner] + 10 + 3 * (np.arange(len(owner)) - first[owner])
+    extra = np.stack([words[where], words[where + 1], words[where + 2]], axis=1).reshape(-1, 3)
+    return words[at], Groups(heads, extra, np.concatenate([[0], np.cumsum(more)]).astype(np.int64))
+
+
+def decode_exchange_rows(data: bytes):
+    """``(steps, rows, entry)``: an exchange table's entries' steps, and their destinations as
+    ``exchange.unicast`` rows (``[n, 8]``: ``src_tile, src_addr, src_stride, dst_tile, dst_addr,
+    dst_stride, rows, row_bytes``), each with its entry's index; read in C where a compiler
+    works. ValueError as ``decode_exchange``."""
+    from . import codegen_native
+    from .exchange import unicast
+    words, at = _exchange_entries(data)
+    found = codegen_native.exchange_rows(words, at, int(words[at + 6].sum()))
+    if found is None:
+        steps, groups = decode_exchange_arrays(data)
+        return steps, unicast(groups), np.repeat(np.arange(len(groups)), groups.destinations())
+    return (words[at], *found)
+
+
+def _exchange_entries(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """An exchange table's words after its magic (int64) and where each entry begins in them;
+    ValueError if the table is not one, is of another version, is truncated or has words left
+    over."""
+    from . import codegen_native
     if data[:4] != EXCHANGE_MAGIC or len(data) % 4:
         raise ValueError("not an exchange table")
-    words = np.frombuffer(data, dtype="<u4", offset=4).astype(np.int64)
+    raw = np.frombuffer(data, dtype="<u4", offset=4)
+    words = raw.astype(np.int64)
     if len(words) < 2 or words[0] != EXCHANGE_VERSION:
         raise ValueError(f"exchange table of version {int(words[0]) if len(words) else '?'}; this reader knows "
                          f"{EXCHANGE_VERSION}")
     count, total = int(words[1]), len(words)
     if count > total:
         raise ValueError("truncated exchange table")
-    at = np.empty(count, np.int64)
-    listed, pos = words.tolist(), 2
-    for k in range(count):                 # each entry begins after the last one's destinations
-        if pos + 7 > total or listed[pos + 6] < 1 or pos + 7 + 3 * listed[pos + 6] > total:
-            raise ValueError("truncated exchange table")
-        at[k] = pos
-        pos += 7 + 3 * listed[pos + 6]
-    if pos != total:
-        raise ValueError("exchange table has trailing bytes")
-    more = words[at + 6] - 1
-    heads = np.stack([words[at + 1], words[at + 2], words[at + 3], words[at + 7], words[at + 8], words[at + 9],
-                      words[at + 4], words[at + 5]], axis=1).reshape(-1, 8)
-    owner = np.repeat(np.arange(count), more)
-    first = np.cumsum(more) - more
-    where = at[owner] + 10 + 3 * (np.arange(len(owner)) - first[owner])
-    extra = np.stack([words[where], words[where + 1], words[where + 2]], axis=1).reshape(-1, 3)
-    return words[at], Groups(heads, extra, np.concatenate([[0], np.cumsum(more)]).astype(np.int64))
+    at = codegen_native.exchange_starts(raw, count)
+    if at is None:
+        at = np.empty(count, np.int64)
+        listed, pos = words.tolist(), 2
+        for k in range(count):                 # each entry begins after the last one's destinations
+            if pos + 7 > total or listed[pos + 6] < 1 or pos + 7 + 3 * listed[pos + 6] > total:
+                raise ValueError("truncated exchange table")
+            at[k] = pos
+            pos += 7 + 3 * listed[pos + 6]
+        if pos != total:
+            raise ValueError("exchange table has trailing bytes")
+    return words, at
 
 
 def program_bytes(kernels: list[str], steps: list) -> int:

@@ -15,9 +15,10 @@ def scalar_args(args) -> list[int]:
     return [a if isinstance(a, int) else 0 for a in args]
 
 
-def vertex_cycles(kernel: str, args, machine: dict) -> int:
-    """A vertex's compute cycles by its kernel's estimator (memoised: programs repeat vertices)."""
-    kv = registry().kernels[kernel]
+def vertex_cycles(kernel: str, args, machine: dict, kernels: dict | None = None) -> int:
+    """A vertex's compute cycles by its kernel's estimator (memoised: programs repeat vertices);
+    ``kernels``: the registry's kernel variants, if the caller has them at hand."""
+    kv = (kernels if kernels is not None else registry().kernels)[kernel]
     scalars = tuple(scalar_args(args))
     key = (id(kv), scalars, id(machine))
     found = _cycles.get(key)
@@ -44,7 +45,8 @@ def step_compute(step: dict, machine: dict) -> dict[str, int]:
         if found is not None:
             _computes.move_to_end(key)
             return found[0]
-    compute = {tile: sum(vertex_cycles(k, a, machine) for k, a in verts)
+    variants = kernels.kernels
+    compute = {tile: sum(vertex_cycles(k, a, machine, variants) for k, a in verts)
                for tile, verts in step["vertices"].items()}
     with _computes_lock:
         _computes[key] = (compute, step, machine, kernels)   # held, so that their ids are not reused

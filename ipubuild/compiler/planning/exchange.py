@@ -479,6 +479,20 @@ def placed_entries(entries: list[list]) -> Groups:
     return Groups(heads, extra, np.concatenate([[0], np.cumsum(counts)]).astype(np.int64))
 
 
+def unicast(entries) -> np.ndarray:
+    """Placed entries (``Groups``, or lists as ``placed_entries`` takes them), a broadcast sending
+    to several tiles, as one row per destination (the same source rows copied to each): an
+    ``[n, 8]`` array of ``src_tile, src_addr, src_stride, dst_tile, dst_addr, dst_stride, rows,
+    row_bytes``, each entry's destinations in order."""
+    g = entries if isinstance(entries, Groups) else placed_entries(entries)
+    h, counts = g.heads, g.destinations()
+    owner = np.repeat(np.arange(len(h)), counts)
+    j = np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)    # 0: the first destination
+    further = g.extra[np.where(j > 0, g.starts[owner] + j - 1, 0)] if len(g.extra) else np.zeros((len(owner), 3), np.int64)
+    dest = np.where((j == 0)[:, None], h[owner, 3:6], further)
+    return np.concatenate([h[owner, :3], dest, h[owner, 6:8]], axis=1).astype(np.int64).reshape(-1, 8)
+
+
 def horizon_of(entries, machine: dict, paired: bool) -> int:
     """The horizon of placed entries (``Groups``, or lists as ``placed_entries`` takes them; same
     model as ``schedule``; memoised: a search candidate changes few exchange phases)."""

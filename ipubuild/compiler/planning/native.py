@@ -10,6 +10,7 @@ has a Python form it is tested equal to, which runs where no compiler works or w
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -41,7 +42,7 @@ def _compile(name: str, source: str):
     from ..kernels import compiler
     cc, cflags = compiler()
     raw = source.encode()
-    version = subprocess.run([*shlex.split(cc), "--version"], capture_output=True, timeout=30).stdout
+    version = _version(cc)
     key = hashlib.sha256(b"\0".join([raw, cc.encode(), cflags.encode(), version])).hexdigest()[:24]
     folder = Path(tempfile.gettempdir()) / f"ipubuild-native-{os.getuid()}"
     path = folder / f"{name}-{key}.so"
@@ -59,3 +60,9 @@ def _compile(name: str, source: str):
         finally:
             src.unlink(missing_ok=True)
     return ctypes.CDLL(str(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _version(cc: str) -> bytes:
+    """What ``cc --version`` prints (once a process: each library's key takes it)."""
+    return subprocess.run([*shlex.split(cc), "--version"], capture_output=True, timeout=30).stdout

@@ -315,8 +315,8 @@ def optimize_exchange_placement(ctx):
     placed, horizons = [], []
     for t in tables:
         entries = exchange.merge_adjacent(exchange.Groups.from_fields(t))
-        placed.append({**entries.as_fields(), "use_paired": t["use_paired"]})
         horizons.append(exchange.horizon_of(entries, m, t["use_paired"]) if len(entries) else 0)
+        placed.append({**entries.as_fields(), "use_paired": t["use_paired"], "horizon": horizons[-1]})
     cost = program_cost(program, horizons, m)
     log.info("costed final placed program", final_cycles=cost["final_cycles"], final_exchange=cost["final_exchange"])
     log.info("bounded final placed program", lower_bound=cost["lower_bound"],
@@ -372,6 +372,7 @@ def prepare_tile_code(ctx):
         "initialize": {"phases": 1}, "run": {"phases": len(program["steps"])},
         "steps": [s["name"] for s in program["steps"]],
         "paired": [t["use_paired"] for t in ctx.json("placed_exchanges")],
+        "horizons": [t["horizon"] for t in ctx.json("placed_exchanges")],
         "inputs": [binding(e) for e in program["inputs"]],
         "outputs": [binding(e) for e in program["outputs"]]})
     return out
