@@ -223,7 +223,9 @@ def test_a_paired_exchange_plan_builds_runs_and_is_timed_paired_on_the_simulator
     # program says each step is paired or not
     from ipubuild.device.package import Package
     pkg = Package(built.ws.engine.fetch(built.out["paired/package"]))
-    tables = [pkg.decoded[d][1] for d in pkg.manifest["tile_images"] if d in pkg.decoded]
+    from ipubuild.compiler.planning import codegen
+    tables = [codegen.decode_exchange_arrays(pkg.images[d][1]["exchange"])
+              for d in pkg.manifest["tile_images"] if d in pkg.decoded]
     for s, (pairs, horizon) in enumerate(zip(pkg.host_program["paired"], pkg.host_program["horizons"])):
         step = [g.take(np.flatnonzero(steps == s)) for steps, g in tables]
         groups = exchange.Groups(np.concatenate([g.heads for g in step]), np.concatenate([g.extra for g in step]),
