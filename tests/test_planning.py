@@ -170,10 +170,12 @@ def test_code_overflow_through_the_pipeline(vit_program):
 
 
 def test_vit_allocation_respects_lifetimes(vit_program):
-    placed = phases._allocate_all(vit_program, {}, MACHINE)
+    from ipubuild.graph.artifacts import from_plan_blob
+    from ipubuild.graph.placement import placement_of
+    placed = placement_of(from_plan_blob(phases._allocate_all(vit_program, {}, MACHINE)))
     for tile, bufs in buffers_of(vit_program).items():
-        addrs = placed[tile]["addresses"]
-        ranges = placed[tile]["ranges"]["available_ranges"]
+        addrs = {bid: placed.address(bid) for bid in bufs}
+        ranges = placed.tiles[tile]["ranges"]["available_ranges"]
         items = sorted(bufs.items())
         for i, (x, bx) in enumerate(items):
             sx = align_up(max(bx["size"], 1), 8)
@@ -606,17 +608,23 @@ def test_merging_placed_entries_over_arrays_is_the_list_merge(entries):
 def test_resolving_a_schedule_places_every_buffer_at_its_address():
     sched = exchange.schedule_phase([[0, "o1", 8, 16, 1, "g2", 0, 16, 2, 16], [0, "o1", 8, 16, 2, "g3", 4, 16, 2, 16],
                                      [1, "o10", 0, 8, 1, "g2", 32, 8, 1, 8]], MACHINE)
+    from ipubuild.graph.placement import Placement
     addresses = {"0": {"o1": 100}, "1": {"g2": 200, "o10": 300}, "2": {"g3": 400}}
+    by_number = np.full(11, -1)
+    for table in addresses.values():
+        for bid, addr in table.items():
+            by_number[int(bid[1:])] = addr
     want = []
     for t in exchange.scheduled(sched).lists():
         e = [t[0], addresses[str(t[0])][t[1]] + t[2], t[3], t[4], addresses[str(t[4])][t[5]] + t[6], t[7], t[8], t[9]]
         for d, b, o, s in zip(t[10::4], t[11::4], t[12::4], t[13::4]):
             e.extend([d, addresses[str(d)][b] + o, s])
         want.append(e)
-    assert exchange.resolve(exchange.scheduled(sched), addresses).entry_lists() == want
+    assert exchange.resolve(exchange.scheduled(sched), Placement({"tiles": {}, "addresses": by_number})).entry_lists() == want
     assert any(len(e) > 8 for e in want)           # a broadcast among them
+    by_number[10] = -1                              # o10 not placed
     with pytest.raises(KeyError):
-        exchange.resolve(exchange.scheduled(sched), {"0": {"o1": 100}, "1": {"g2": 200}, "2": {"g3": 400}})
+        exchange.resolve(exchange.scheduled(sched), Placement({"tiles": {}, "addresses": by_number}))
 
 
 def test_a_grids_estimate_counts_what_is_folded_into_the_matmul(vit_graph):

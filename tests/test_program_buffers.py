@@ -9,7 +9,7 @@ import pytest
 
 from ipubuild import frontend, plugins, targets
 from ipubuild.compiler.planning.program import build_program, default_layout, program_blob
-from ipubuild.graph.artifacts import BUFFER_KINDS, buffer_codes, buffer_codes_of, from_plan_blob
+from ipubuild.graph.artifacts import BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_numbers, from_plan_blob
 from ipubuild.graph.program_buffers import COLUMNS, buffer_table, buffers_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,6 +30,13 @@ def test_buffer_codes_of_kinds_and_numbers_are_the_codes_of_their_names():
     assert buffer_codes_of(kinds, numbers).tolist() == buffer_codes(names).tolist()
     with pytest.raises(ValueError, match="10\\*\\*8"):
         buffer_codes_of(np.zeros(1, np.int64), np.array([10 ** 8]))
+
+
+def test_a_buffers_number_is_read_back_from_its_code():
+    rng = np.random.default_rng(3)
+    numbers = np.concatenate([rng.integers(0, 10 ** 8, 5000), 10 ** np.arange(8), 10 ** np.arange(1, 9) - 1, [0]])
+    kinds = rng.integers(0, len(BUFFER_KINDS), len(numbers))
+    assert buffer_numbers(buffer_codes_of(kinds, numbers)).tolist() == numbers.tolist()
 
 
 def test_every_buffer_a_program_names_is_a_row_of_its_tile(program):

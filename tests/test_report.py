@@ -103,7 +103,7 @@ def test_the_page_carries_the_charts_data(built):
         assert sum(runs[1::2]) == m["end"] - m["base"]
         by = {k: sum(n for kind, n in zip(runs[::2], runs[1::2]) if KINDS[kind] == k) for k in KINDS}
         tile = str(t["tile"])
-        assert by["code"] == storage[tile]["code_bytes"] == sizes[tile]["total"]
+        assert by["code"] == storage["tiles"][tile]["code_bytes"] == sizes[tile]["total"]
         assert by["constants"] == sum(-(-b["size"] // 8) * 8 for bid, b in buffers_of(program)[tile].items()
                                       if bid.startswith("c"))
         assert by["data"] + by["shared"] > 0 and by["free"] > 0
@@ -260,7 +260,7 @@ def test_a_device_reporting_only_totals_gets_the_cost_models_steps():
                                                                                   "compute": 300, "sync": 0}]}
     program = {"tile_count": 2, "names": {}, "buffers": buffer_table([], [], 2),
                "steps": [{"name": "a", "transfers": []}, {"name": "b", "transfers": []}]}
-    storage = {t: {"code_bytes": 0, "ranges": {}, "addresses": {}} for t in ("0", "1")}
+    storage = {"tiles": {t: {"code_bytes": 0, "ranges": {}} for t in ("0", "1")}, "addresses": [-1]}
     machine = {"clock_hz": 1_000_000_000, "memory": {"sram_base": 0, "sram_end": 64, "alignment": 8}}
     d = report_data("t", "hw", {"ok": True, "tiles": 2, "samples": 0, "total_cycles": 1300}, cost, program,
                     storage, {}, machine, {"initial_cycles": 1300, "history": []})

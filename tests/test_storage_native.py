@@ -62,9 +62,9 @@ def test_a_real_programs_tiles_are_placed_as_the_python_loop():
 
 
 def test_headroom_is_the_largest_free_top_of_a_tiles_ranges():
-    placed = {"0": {"ranges": {"available_ranges": [[0, 1000], [2000, 5000]]},
-                    "addresses": {"c3": 2000, "o1": 0, "o2": 100}},
-              "1": {"ranges": {"available_ranges": [[0, 1000], [2000, 2600]]}, "addresses": {}}}
+    placed = {"tiles": {"0": {"ranges": {"available_ranges": [[0, 1000], [2000, 5000]]}},
+                        "1": {"ranges": {"available_ranges": [[0, 1000], [2000, 2600]]}}},
+              "addresses": [-1, 0, 100, 2000]}         # buffers o1, o2 and c3, by number
     buffers = ProgramBuffers(buffer_table([[0, "o", 100, 0, "v1", 0, 1, 0, 100], [0, "o", 50, 0, "v1", 1, 2, 0, 50],
                                            [0, "c", 2900, 0, "v2", 0, 1, 0, 2900]], [1, 1, 1], 2))
     # tile 0: [0, 1000) used up to 156 (b's 50 bytes from 100 take 56), free from 160 (aligned);

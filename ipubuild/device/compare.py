@@ -23,6 +23,7 @@ import numpy as np
 
 from ..graph import fp8
 from ..graph.artifacts import graph_of, to_json
+from ..graph.placement import placement_of
 from ..engine.engine import phase
 from ..graph.ir import DTYPES, FP8, Graph, Op
 from ..graph.operators import registry
@@ -55,7 +56,7 @@ def value_map(graph: Graph, program: dict, storage: dict) -> dict:
     first vertex, end vertex, kernel index]``: the block ``[r0:r1, c0:c1]`` of the value as a
     matrix, stored row-major at ``address`` on ``tile`` after ``step``, written by that tile's
     vertices ``[first, end)`` of that step, the first of which runs ``kernels[kernel index]``."""
-    addresses = {t: placed["addresses"] for t, placed in storage.items()}
+    placed = placement_of(storage)
     out: dict[int, dict] = {}
     for s, step in enumerate(program["steps"]):
         op = graph.ops[step["op"]]
@@ -70,7 +71,7 @@ def value_map(graph: Graph, program: dict, storage: dict) -> dict:
                                          "blocks": []})
             verts = step["vertices"][str(tile)]
             first = verts[v0][0] if v0 < v1 else ""
-            entry["blocks"].append([tile, addresses[str(tile)][bid], r0, r1, c0, c1, s, v0, v1, first])
+            entry["blocks"].append([tile, placed.address(bid), r0, r1, c0, c1, s, v0, v1, first])
         for vid in op.outputs:
             if vid in out:
                 out[vid]["kernels"] = sorted(set(out[vid]["kernels"]) | set(kernels))

@@ -117,6 +117,29 @@ def buffer_codes_of(kinds: np.ndarray, numbers: np.ndarray) -> np.ndarray:
     return code
 
 
+def buffer_numbers(codes: np.ndarray) -> np.ndarray:
+    """The number of each buffer given by its ``buffer_code`` (``o12`` -> 12), without names:
+    the code's 8 base-11 digits read as two halves of 4 by table (a half's number and how many
+    digits it has), a few passes over the codes rather than a few per digit."""
+    high, low = np.divmod(np.asarray(codes, dtype=np.int64) % 11 ** _DIGITS, 11 ** (_DIGITS // 2))
+    number, length = _HALVES
+    return number[high] * 10 ** length[low] + number[low]
+
+
+def _halves(digits: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every ``digits`` base-11 digits (1 + a decimal digit, 0 past the last), left-aligned:
+    the decimal number they spell and how many they are."""
+    number, length = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    for p in range(digits):             # one digit more on the right each time
+        d = np.arange(11)
+        number = np.where(d > 0, number[:, None] * 10 + d - 1, number[:, None]).ravel()
+        length = (length[:, None] + (d > 0)).ravel()
+    return number, length
+
+
+_HALVES = _halves(_DIGITS // 2)
+
+
 class PlanBlob(bytes):
     """A plan blob's bytes, remembering the value they encode (as ``canonical.Json``)."""
 

@@ -84,10 +84,15 @@ class ProgramBuffers(Mapping):
 
     def rows(self, tile) -> np.ndarray:
         """The table's rows of one tile, by name."""
+        lo, hi = self.span(tile)
+        return self.table[lo:hi]
+
+    def span(self, tile) -> tuple[int, int]:
+        """Where one tile's rows are in the table: ``table[lo:hi]``."""
         t = int(tile)
         if not 0 <= t < self.tile_count:
             raise KeyError(tile)
-        return self.table[self._bounds[t]:self._bounds[t + 1]]
+        return int(self._bounds[t]), int(self._bounds[t + 1])
 
     def names(self, tile) -> list[str]:
         """The names of one tile's buffers, in order."""

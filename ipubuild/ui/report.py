@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ..graph.artifacts import buffer_names, machine_of
+from ..graph.placement import placement_of
 from ..graph.program_buffers import CODE, SIZE, buffers_of
 from ..engine.engine import phase
 from ..engine.errors import UserError
@@ -131,8 +132,9 @@ def memory_maps(program: dict, storage: dict, code_sizes: dict, machine: dict) -
     k = {name: i for i, name in enumerate(KINDS)}
     tiles = []
     buffers = buffers_of(program)
-    for tile in sorted(storage, key=int):
-        placed = storage[tile]
+    storage = placement_of(storage)
+    for tile in sorted(storage.tiles, key=int):
+        placed = storage.tiles[tile]
         rows = buffers.rows(tile) if tile in buffers else buffers.table[:0]
         if not len(rows) and not placed["code_bytes"]:
             continue
@@ -140,8 +142,7 @@ def memory_maps(program: dict, storage: dict, code_sizes: dict, machine: dict) -
         code = (r["code_address"], r["code_end"])
         pieces = [(a, b, k["reserved"]) for a, b in _complement([*r["available_ranges"], code], lo, hi)]
         pieces.append((*code, k["code"]))
-        for bid, size in zip(buffer_names(rows[:, CODE]), rows[:, SIZE].tolist()):
-            addr = placed["addresses"][bid]
+        for bid, addr, size in zip(buffer_names(rows[:, CODE]), storage.of(rows[:, CODE]).tolist(), rows[:, SIZE].tolist()):
             pieces.append((addr, addr + -(-max(size, 1) // align) * align, k[_BUFFER_KIND[bid[0]]]))
         sizes = code_sizes.get(tile, {})
         tiles.append({"tile": int(tile), "runs": _runs(pieces, lo, hi),

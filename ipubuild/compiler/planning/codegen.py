@@ -208,12 +208,13 @@ def read_image(blob: bytes) -> tuple[dict, dict[str, bytes]]:
     return header, {k: v.tobytes() for k, v in arrays.items()}
 
 
-def bindings(value, ranges: list, addresses: dict) -> list:
-    """``[[tensor_byte_offset, size, tile, address], ...]`` for blocks ``[tile, buf, r0, r1, c0, c1]``."""
+def bindings(value, ranges: list, placed) -> list:
+    """``[[tensor_byte_offset, size, tile, address], ...]`` for blocks ``[tile, buf, r0, r1, c0,
+    c1]`` placed by ``placed`` (a ``graph.placement.Placement``)."""
     isz, cols = value.itemsize, value.cols
     out = []
     for tile, bid, r0, r1, c0, c1 in ranges:
-        base = addresses[str(tile)][bid]
+        base = placed.address(bid)
         width = (c1 - c0) * isz
         if c0 == 0 and c1 == cols:
             out.append([r0 * cols * isz, (r1 - r0) * width, tile, base])

@@ -397,41 +397,14 @@ SCHEDULE_ARRAYS = (("*", "heads"), ("*", "extra"), ("*", "starts"))
 """Where a program's exchange schedule (and its tables) hold arrays: ``to_plan_blob``'s paths."""
 
 
-def resolve(groups: Groups, addresses) -> Groups:
+def resolve(groups: Groups, placed) -> Groups:
     """Scheduled groups with buffer-relative offsets as placed entries (``Groups``'s second form):
-    every buffer's address from ``addresses`` (``Addresses``, or the ``{tile: {buffer name:
-    address}}`` it is made from)."""
-    where = addresses if isinstance(addresses, Addresses) else Addresses(addresses)
+    every buffer's address from ``placed`` (a ``graph.placement.Placement``)."""
     h, x = groups.heads, groups.extra
-    heads = np.stack([h[:, 0], where.of(h[:, 0], h[:, 1]) + h[:, 2], h[:, 3],
-                      h[:, 4], where.of(h[:, 4], h[:, 5]) + h[:, 6], h[:, 7], h[:, 8], h[:, 9]], axis=1)
-    extra = np.stack([x[:, 0], where.of(x[:, 0], x[:, 1]) + x[:, 2], x[:, 3]], axis=1)
+    heads = np.stack([h[:, 0], placed.of(h[:, 1]) + h[:, 2], h[:, 3],
+                      h[:, 4], placed.of(h[:, 5]) + h[:, 6], h[:, 7], h[:, 8], h[:, 9]], axis=1)
+    extra = np.stack([x[:, 0], placed.of(x[:, 1]) + x[:, 2], x[:, 3]], axis=1)
     return Groups(heads.reshape(-1, 8), extra.reshape(-1, 3), groups.starts)
-
-
-class Addresses:
-    """Buffer addresses by (tile, buffer code), looked up over arrays (made once for a program's
-    storage: it sorts every buffer of every tile)."""
-
-    def __init__(self, addresses: dict[str, dict[str, int]]):
-        tiles, names, addrs = [], [], []
-        for tile, table in addresses.items():
-            tiles.append(np.full(len(table), int(tile), np.int64))
-            names.extend(table)
-            addrs.extend(table.values())
-        codes = buffer_codes(names)
-        keys = np.concatenate(tiles + [np.zeros(0, np.int64)]) << 32 | codes
-        order = np.argsort(keys)
-        self.keys, self.addrs = keys[order], np.asarray(addrs, dtype=np.int64)[order]
-
-    def of(self, tiles: np.ndarray, codes: np.ndarray) -> np.ndarray:
-        want = tiles.astype(np.int64) << 32 | codes.astype(np.int64)
-        if not len(want):
-            return np.zeros(0, np.int64)
-        at = np.minimum(np.searchsorted(self.keys, want), max(len(self.keys) - 1, 0))
-        if not len(self.keys) or (self.keys[at] != want).any():
-            raise KeyError("a transfer names a buffer the storage did not place")
-        return self.addrs[at]
 
 
 def merge_adjacent(entries: Groups) -> Groups:

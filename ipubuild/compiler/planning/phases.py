@@ -16,7 +16,9 @@ import numpy as np
 from ...graph import tensors
 from ...graph.artifacts import graph_of, machine_of, params_of, to_json as _json
 from ...graph.artifacts import to_plan_blob, to_plan_json as _plan
-from ...graph.program_buffers import buffers_of
+from ...graph.artifacts import buffer_numbers
+from ...graph.placement import placement_blob, placement_of
+from ...graph.program_buffers import CODE, buffers_of
 from ...engine import canonical
 from ...engine.engine import phase
 from ...engine.executors import run_phases
@@ -141,10 +143,15 @@ def _program_size(program, tile, kernels, by_tile=None):
     return codegen.program_bytes(kernels, steps)
 
 
-def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
-    out = {}
+def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> bytes:
+    """The ``storage`` artifact (``graph.placement``) of the program with each tile's code at
+    ``code[tile]`` bytes."""
+    tiles = {}
     align = machine["memory"]["alignment"]
     buffers = buffers_of(program)
+    table = buffers.table
+    addresses = np.full(len(table) + 1, -1, np.int64)          # by buffer number: 1, 2, …
+    numbers = buffer_numbers(table[:, CODE])
     for n, tile in enumerate(buffers):
         progress("tiles' storage placed", n, len(buffers))
         ranges = mem.tile_ranges(machine, code.get(tile, 0))
@@ -153,11 +160,12 @@ def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> dict:
             raise UserError(f"tile {tile}", f"generated code needs {code[tile]} bytes but the "
                             f"executable region holds {machine['memory']['executable_end'] - ranges['code_address']}; "
                             "raise target.tile_count")
-        out[tile] = {"code_bytes": code.get(tile, 0), "ranges": ranges,
-                     "addresses": mem.allocate_rows(buffers.rows(tile), ranges["available_ranges"], align,
-                                                    tile=int(tile), names=_BufferNames(buffers, tile, program["names"]))}
+        tiles[tile] = {"code_bytes": code.get(tile, 0), "ranges": ranges}
+        lo, hi = buffers.span(tile)
+        addresses[numbers[lo:hi]] = mem.allocate_rows(table[lo:hi], ranges["available_ranges"], align,
+                                                      tile=int(tile), names=_BufferNames(buffers, tile, program["names"]))
     progress("tiles' storage placed", len(buffers), len(buffers))
-    return out
+    return placement_blob(tiles, addresses)
 
 
 class _BufferNames:
@@ -182,7 +190,7 @@ def place_provisional_storage(ctx):
     g, m = graph_of(ctx), machine_of(ctx)
     program = build_program(g, ctx.json("layout"), ctx.config["target"]["tile_count"])
     code = provisional_code_bytes(program, reservations_of(ctx))
-    return {"program": program_blob(program), "provisional_storage": _plan(_allocate_all(program, code, m)),
+    return {"program": program_blob(program), "provisional_storage": _allocate_all(program, code, m),
             "provisional_code": _json(code)}
 
 
@@ -284,8 +292,8 @@ def size_tile_code(ctx):
 def place_storage(ctx):
     program, sizes, m = ctx.json("program"), ctx.json("code_sizes"), machine_of(ctx)
     placed = _allocate_all(program, {t: v["total"] for t, v in sizes.items()}, m)
-    t = max(placed, key=lambda k: (sizes[k]["total"], -int(k)))
-    r, s, c = placed[t]["ranges"], sizes[t], m["code"]
+    t = max(sizes, key=lambda k: (sizes[k]["total"], -int(k)))
+    r, s, c = mem.tile_ranges(m, sizes[t]["total"]), sizes[t], m["code"]
     log.info("placing generated tile programs", linked_end=r["linked_end"], host_code_base=r["host_code_base"],
              host_code_bytes=c["host_code_bytes"], generated_code_bytes=s["total"],
              exchange_table_bytes=s["exchange_table_bytes"], executable_ranges=_ranges(r["executable_ranges"]))
@@ -293,7 +301,7 @@ def place_storage(ctx):
              exchange_table_bytes=s["exchange_table_bytes"], host_code_bytes=c["host_code_bytes"],
              host_data_bytes=c["host_data_bytes"], generated_code_bytes=s["total"],
              code_address=r["code_address"], available_ranges=_ranges(r["available_ranges"]))
-    return {"storage": _plan(placed)}
+    return {"storage": placed}
 
 
 def _ranges(rs) -> str:
@@ -302,9 +310,8 @@ def _ranges(rs) -> str:
 
 @phase("lower_exchanges", inputs=("exchange_schedule", "storage"), outputs=("exchange_tables",))
 def lower_exchanges(ctx):
-    sched, placed = ctx.json("exchange_schedule"), ctx.json("storage")
-    addresses = exchange.Addresses({t: v["addresses"] for t, v in placed.items()})
-    return {"exchange_tables": to_plan_blob([{**exchange.resolve(exchange.scheduled(s), addresses).as_fields(),
+    sched, placed = ctx.json("exchange_schedule"), placement_of(ctx.json("storage"))
+    return {"exchange_tables": to_plan_blob([{**exchange.resolve(exchange.scheduled(s), placed).as_fields(),
                                               "use_paired": s["use_paired"]} for s in sched], exchange.SCHEDULE_ARRAYS)}
 
 
@@ -331,8 +338,9 @@ def optimize_exchange_placement(ctx):
        outputs=("tile_program/*", "tile_data/*", "host_program"))
 def prepare_tile_code(ctx):
     g = graph_of(ctx)
-    program, placed, link, sizes = ctx.json("program"), ctx.json("storage"), ctx.json("link_map"), ctx.json("code_sizes")
-    addresses = {t: v["addresses"] for t, v in placed.items()}
+    program, link, sizes = ctx.json("program"), ctx.json("link_map"), ctx.json("code_sizes")
+    placed = placement_of(ctx.json("storage"))
+    address = placed.addresses.tolist()                      # by buffer number
     consts, _ = params_of(ctx, g)
     buffers = buffers_of(program)
     sends: dict[str, list] = {t: [] for t in buffers}
@@ -342,14 +350,14 @@ def prepare_tile_code(ctx):
     out = {}
     for tile, bufs in buffers.items():
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
-        addr = addresses[tile]
         steps = []
         for s, step in enumerate(program["steps"]):
             verts = step["vertices"].get(tile)
             if verts:
-                steps.append([s, [[kernels.index(k), [addr[a[1]] + a[2] if isinstance(a, list) else a for a in args]]
+                steps.append([s, [[kernels.index(k), [address[int(a[1][1:])] + a[2] if isinstance(a, list) else a
+                                                      for a in args]]
                                   for k, args in verts]])
-        code_address = placed[tile]["ranges"]["code_address"]
+        code_address = placed.tiles[tile]["ranges"]["code_address"]
         kb = sizes[tile]["kernel_bytes"]
         out[f"tile_program/{tile}"] = _plan({
             "kernels": kernels, "steps": steps, "exchange": sends[tile],
@@ -362,12 +370,12 @@ def prepare_tile_code(ctx):
                 vk, r0, r1, c0, c1 = b["init"]
                 arr = consts[int(vk[1:])]
                 arr2 = arr.reshape(-1, arr.shape[-1]) if arr.ndim > 1 else arr.reshape(1, -1)
-                data[f"{g.values[int(vk[1:])].name}@{addr[bid]}"] = np.ascontiguousarray(arr2[r0:r1, c0:c1])
+                data[f"{g.values[int(vk[1:])].name}@{address[int(bid[1:])]}"] = np.ascontiguousarray(arr2[r0:r1, c0:c1])
         out[f"tile_data/{tile}"] = tensors.pack(data)
     def binding(entry):
         v = g.values[entry["value"]]
         return {"name": v.name, "dtype": v.dtype, "shape": list(v.shape), "scale_exp": v.scale_exp,
-                "ranges": codegen.bindings(v, entry["ranges"], addresses)}
+                "ranges": codegen.bindings(v, entry["ranges"], placed)}
     out["host_program"] = _json({
         "initialize": {"phases": 1}, "run": {"phases": len(program["steps"])},
         "steps": [s["name"] for s in program["steps"]],

@@ -14,6 +14,7 @@ import numpy as np
 from ...engine.errors import UserError
 from ...engine import canonical
 from ...graph.artifacts import buffer_codes, buffer_names
+from ...graph.placement import placement_of
 from ...graph.program_buffers import CODE, SIZE, START, END
 from . import storage_native
 
@@ -49,46 +50,55 @@ def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, nam
         codes = buffer_codes(bids)
     except ValueError:                       # names that are not a program's: placed as names sort
         codes = None
-    return _place(bids, codes, size, start, end, ranges, alignment, tile, names)
+    return dict(sorted(zip(bids, _place(bids, codes, size, start, end, ranges, alignment, tile, names).tolist())))
 
 
-def allocate_rows(rows: np.ndarray, ranges, alignment: int, *, tile: int, names=None) -> dict[str, int]:
-    """``allocate`` for one tile's rows of a program's buffer table (``program_buffers``),
-    by buffer name. Memoised by the rows' names, sizes and lifetimes: a search candidate
-    re-plans few tiles."""
+def allocate_rows(rows: np.ndarray, ranges, alignment: int, *, tile: int, names=None) -> np.ndarray:
+    """``allocate`` for one tile's rows of a program's buffer table (``program_buffers``): each
+    row's address (read-only). Memoised by the rows' names, sizes and lifetimes: a search
+    candidate re-plans few tiles."""
     columns = np.ascontiguousarray(rows[:, [CODE, SIZE, START, END]], dtype=np.int64)
     key = (canonical.digest(columns), tuple(map(tuple, ranges)), alignment)
     found = _memo.get(key)
     if found is None:
         codes, size, start, end = columns.T
-        found = _place(buffer_names(codes), codes, size, start, end, ranges, alignment, tile, names)
+        found = _place(None, codes, size, start, end, ranges, alignment, tile, names)
+        found.flags.writeable = False
         if len(_memo) > 8192:
             _memo.clear()
         _memo[key] = found
-    return dict(found)
+    return found
 
 
 _memo: dict = {}
 
 
-def _place(bids, codes, size, start, end, ranges, alignment, tile, names) -> dict[str, int]:
-    """First fit, in C where it compiles (``storage_native``); the Python loop otherwise, and to
-    say why a buffer does not fit. ``codes``: the names' ``buffer_code``, or None."""
-    if storage_native.library() is not None and bids:
+def _place(bids, codes, size, start, end, ranges, alignment, tile, names) -> np.ndarray:
+    """Each buffer's address (in the order given), by first fit in C where it compiles
+    (``storage_native``); the Python loop otherwise, and to say why a buffer does not fit.
+    ``codes``: the buffers' ``buffer_code``, or None (then ``bids``, names placed as they sort,
+    are needed; given codes, names are made only for the Python loop)."""
+    n = len(size)
+    if storage_native.library() is not None and n:
         if codes is not None:
             order = np.lexsort((codes, -size, start))
         else:
-            order = np.array(sorted(range(len(bids)), key=lambda i: (start[i], -size[i], bids[i])), dtype=np.int64)
+            order = np.array(sorted(range(n), key=lambda i: (start[i], -size[i], bids[i])), dtype=np.int64)
         aligned = -(-np.maximum(size[order], 1) // alignment) * alignment
         try:
             addr = storage_native.first_fit(aligned, start[order], end[order], ranges, alignment)
         except ValueError:
             addr = None
         if addr is not None:
-            return dict(sorted(zip([bids[i] for i in order.tolist()], addr.tolist())))
+            out = np.empty(n, np.int64)
+            out[order] = addr
+            return out
+    if bids is None:
+        bids = buffer_names(codes)
     records = {b: {"size": int(z), "start": int(a), "end": int(e)}
                for b, z, a, e in zip(bids, size.tolist(), start.tolist(), end.tolist())}
-    return _allocate_python(records, ranges, alignment, tile, names)
+    placed = _allocate_python(records, ranges, alignment, tile, names)
+    return np.array([placed[b] for b in bids], dtype=np.int64)
 
 
 def _allocate_python(buffers, ranges, alignment, tile, names) -> dict[str, int]:
@@ -138,19 +148,18 @@ def _largest_gap(live, ranges, alignment):
     return max((g1 - g0 for lo, hi in ranges for g0, g1 in _gaps(live, lo, hi, alignment)), default=0)
 
 
-def headroom(placed: dict, buffers, alignment: int) -> list[int]:
+def headroom(placed, buffers, alignment: int) -> list[int]:
     """Per tile (tile order), the data memory no buffer of a placement ever uses: the largest
     of its ranges' free tops (above the last buffer placed in the range). ``placed`` is a
-    ``storage`` artifact (``{tile: {"ranges", "addresses"}}``, addresses by buffer name),
-    ``buffers`` its program's (``program_buffers.ProgramBuffers``, rows by name too). One
-    more buffer placed there fits beside the placement, whatever else is live; a changed layout
-    is placed again by first fit, so for it this is an estimate of its room, not a bound."""
-    out = [0] * len(placed)
-    for tile, p in placed.items():
-        addresses, rows = p["addresses"], buffers.rows(tile)
-        if len(rows) != len(addresses):
-            raise ValueError(f"tile {tile}: the placement has {len(addresses)} buffers, the program {len(rows)}")
-        start = np.fromiter(addresses.values(), np.int64, len(addresses))
+    ``storage`` artifact (``graph.placement``), ``buffers`` its program's
+    (``program_buffers.ProgramBuffers``). One more buffer placed there fits beside the
+    placement, whatever else is live; a changed layout is placed again by first fit, so for it
+    this is an estimate of its room, not a bound."""
+    placed = placement_of(placed)
+    out = [0] * len(placed.tiles)
+    for tile, p in placed.tiles.items():
+        rows = buffers.rows(tile)
+        start = placed.of(rows[:, CODE])
         size = rows[:, SIZE].astype(np.int64)
         end = start + -(-np.maximum(size, 1) // alignment) * alignment
         best = 0
