@@ -78,7 +78,7 @@ def main(argv=None) -> int:
           f"({time.perf_counter() - t0:.0f} s)")
     rows = []
     for step, s in zip(program["steps"], cost["steps"]):
-        comp = step_compute(step, machine)
+        comp = step_compute(step, machine, program["kernels"])
         balanced = max(-(-sum(comp.values()) // tiles),
                        -(-transfer_bytes(step["transfers"]) // (tiles * machine["exchange"]["bytes_per_cycle"])))
         rows.append((s["name"], s["exchange"], s["compute"], s["sync"], s["exchange"] + s["compute"] - balanced))

@@ -90,9 +90,11 @@ def test_values_are_mapped_only_when_operations_are_compared():
         def json(self, name):
             # one step: tile 0's vertex 0 writes the gelu's output (value 1) at address 1024
             rows, cols = self.g.values[1].shape[0], int(np.prod(self.g.values[1].shape[1:]))
-            step = {"op": 0, "vertices": {"0": [["gelu_f32_f32", []]]}, "writes": [[0, "o1", "v1", 0, rows, 0, cols, 0, 1]]}
+            step = {"op": 0, "vertices": np.array([[0, 0, 0]]), "args": np.zeros((0, 2), np.int64),
+                    "writes": np.array([[0, 1, 1, 0, rows, 0, cols, 0, 1]])}
             storage = {"tiles": {"0": {"code_bytes": 0, "ranges": {}}}, "addresses": [-1, 1024]}
-            return {"graph": self.g.to_json(), "program": {"steps": [step]}, "storage": storage}[name]
+            program = {"kernels": ["gelu_f32_f32"], "steps": [step]}
+            return {"graph": self.g.to_json(), "program": program, "storage": storage}[name]
 
     small, _ = graph_of("gelu", [("x", np.zeros((4, 8), np.float32), "f32", 0)])
     big, _ = graph_of("gelu", [("x", np.zeros((AUTO_LIMIT_BYTES // 4 + 1,), np.float32), "f32", 0)])

@@ -545,7 +545,7 @@ def test_a_rowwise_follower_needs_whole_rows():
 
 
 def test_a_follower_exchanges_nothing_and_moves_with_its_producer():
-    from ipubuild.compiler.planning.program import build_program
+    from ipubuild.compiler.planning.program import build_program, vertices_of
     g, res = _chain(lambda g, y: g.add("cast", [g.add("gelu", [y])], to="f143", scale_exp=0))
     mm, gelu, cast = g.ops
     for p in range(0, len(res.plans[mm.id]), 5):
@@ -554,8 +554,8 @@ def test_a_follower_exchanges_nothing_and_moves_with_its_producer():
         prog = build_program(g, layout, 16)
         steps = {s["name"]: s for s in prog["steps"]}
         assert not len(steps["gelu_1"]["transfers"]) and not len(steps["cast_2"]["transfers"])
-        assert set(steps["gelu_1"]["vertices"]) == set(steps["cast_2"]["vertices"]) <= \
-            {str(t) for s in prog["steps"] if s["op"] == 0 for t in s["vertices"]}
+        assert set(vertices_of(prog, steps["gelu_1"])) == set(vertices_of(prog, steps["cast_2"])) <= \
+            {str(t) for s in prog["steps"] if s["op"] == 0 for t in vertices_of(prog, s)}
 
 
 @pytest.mark.parametrize("heads", [1, 3])

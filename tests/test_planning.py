@@ -18,7 +18,7 @@ from ipubuild.compiler.machine import load_machine
 from ipubuild.operators import registry
 from ipubuild.compiler.planning import codegen, exchange, phases, storage
 from ipubuild.compiler.planning.cost import program_cost, step_compute
-from ipubuild.compiler.planning.program import build_program, default_layout, plans_of
+from ipubuild.compiler.planning.program import build_program, default_layout, plans_of, vertices_of
 
 ROOT = Path(__file__).resolve().parents[1]
 MACHINE = load_machine("ipu21")
@@ -445,7 +445,7 @@ def test_more_tiles_never_slow_a_matmul_down(vit_graph):
         cost = []
         for i, p in enumerate(plans):
             prog = build_program(sub, {"ops": {"0": {"plan": i, "offset": 0}}}, 64)
-            slowest = [max(step_compute(s, MACHINE).values()) for s in prog["steps"]]
+            slowest = [max(step_compute(s, MACHINE, prog["kernels"]).values()) for s in prog["steps"]]
             assert len(slowest) == (1 if p["k"] == 1 else 2)
             cost.append((p, slowest))
         for p, cp in cost:
@@ -470,7 +470,7 @@ def test_program_cost_sums_steps(vit_graph, vit_program):
     total, slowest_all = 0, []
     for step, h in zip(vit_program["steps"], horizons):
         per_tile = {t: sum(kernels[k].cycles([a if isinstance(a, int) else 0 for a in args], MACHINE)
-                           for k, args in verts) for t, verts in step["vertices"].items()}
+                           for k, args in verts) for t, verts in vertices_of(vit_program, step).items()}
         slowest = max(per_tile.values(), default=0)
         slowest_all.append(slowest)
         total += h + slowest + sync
@@ -535,9 +535,13 @@ def test_provisional_code_bounds_the_scheduled_exchange_tables(vit_graph):
                 entries[str(t[0])].append([s, t[0], 0, t[3], t[4], 0, t[7], t[8], t[9],
                                            *[x for d in zip(t[10::4], t[12::4], t[13::4]) for x in (d[0], 0, d[2])]])
     broadcast = 0
+    per_step = [vertices_of(program, step) for step in program["steps"]]
     for tile in buffers_of(program):
         table = len(codegen.encode_exchange(entries.get(tile, [])))
-        code = table + phases._program_size(program, tile, phases.kernels_per_tile(program).get(tile, []))
+        kernels = phases.kernels_per_tile(program)[tile]
+        steps = [[s, [[kernels.index(k), [0] * len(a)] for k, a in verts[tile]]] for s, verts in enumerate(per_step)
+                 if tile in verts]
+        code = table + len(codegen.encode_program(kernels, steps))
         assert bound[tile] >= code, tile
         broadcast += any(len(e) > 9 for e in entries.get(tile, []))
     assert broadcast       # the bound is met with broadcasts in the tables

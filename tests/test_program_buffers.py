@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ipubuild import frontend, plugins, targets
-from ipubuild.compiler.planning.program import build_program, default_layout, program_blob
+from ipubuild.compiler.planning.program import build_program, default_layout, program_blob, vertices_of
 from ipubuild.graph.artifacts import BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_numbers, from_plan_blob
 from ipubuild.graph.program_buffers import COLUMNS, buffer_table, buffers_of
 
@@ -44,7 +44,7 @@ def test_every_buffer_a_program_names_is_a_row_of_its_tile(program):
     assert list(buffers) == [str(t) for t in range(64)] and len(buffers) == 64
     named = set()
     for step in program["steps"]:
-        for tile, verts in step["vertices"].items():
+        for tile, verts in vertices_of(program, step).items():
             named.update((tile, a[1]) for _, args in verts for a in args if isinstance(a, list))
         t = np.asarray(step["transfers"]).reshape(-1, 10)
         for tile, code in {*map(tuple, t[:, [0, 1]].tolist()), *map(tuple, t[:, [4, 5]].tolist())}:
@@ -85,7 +85,7 @@ def test_a_buffer_lives_through_every_step_that_reads_or_sends_it(program):
     buffers = buffers_of(program)
     used = []                                              # (tile, buffer, step)
     for s, step in enumerate(program["steps"]):
-        for tile, verts in step["vertices"].items():
+        for tile, verts in vertices_of(program, step).items():
             used += [(tile, a[1], s) for _, args in verts for a in args if isinstance(a, list)]
         t = np.asarray(step["transfers"]).reshape(-1, 10)
         for tile, code in set(map(tuple, t[:, [0, 1]].tolist())):

@@ -108,10 +108,10 @@ def test_a_steps_compute_is_the_machines_it_is_asked_for(graph):
     faster = copy.deepcopy(machine)
     faster["compute"]["amp_macs_per_cycle"] = {k: 2 * v for k, v in machine["compute"]["amp_macs_per_cycle"].items()}
     program = build_program(graph, default_layout(graph, TILES), TILES)
-    slow = [step_compute(s, machine) for s in program["steps"]]
-    fast = [step_compute(s, faster) for s in program["steps"]]
-    assert slow != fast and slow == [step_compute(s, machine) for s in program["steps"]]
-    assert fast == [step_compute(s, copy.deepcopy(faster)) for s in program["steps"]]
+    slow = [step_compute(s, machine, program["kernels"]) for s in program["steps"]]
+    fast = [step_compute(s, faster, program["kernels"]) for s in program["steps"]]
+    assert slow != fast and slow == [step_compute(s, machine, program["kernels"]) for s in program["steps"]]
+    assert fast == [step_compute(s, copy.deepcopy(faster), program["kernels"]) for s in program["steps"]]
 
 
 def test_a_steps_renumbered_transfers_are_memoised_by_the_array_not_its_address():

@@ -18,7 +18,7 @@ from ipubuild.search import read_state
 from ipubuild.operators import registry
 from ipubuild.build.pipeline import Workspace
 from ipubuild.compiler.planning import exchange
-from ipubuild.compiler.planning.program import plans_of
+from ipubuild.compiler.planning.program import plans_of, vertices_of
 from ipubuild.targets import load_target
 
 from buildtree import SMALL, make_tree
@@ -128,9 +128,9 @@ def test_vit_fp8_attention_stays_on_the_tiles_of_its_heads(vit):
     assert chosen["block0.scores"] == {"follow": 0}                       # qkv's tiles
     assert chosen["block0.context"] in ({"follow": 0}, {"follow": 1})     # the probabilities', or qkv's
     steps = {s["name"]: s for s in program["steps"]}
-    qkv_tiles = set(steps["block0.qkv"]["vertices"])
-    assert set(steps["block0.scores"]["vertices"]) <= qkv_tiles
-    assert set(steps["block0.context"]["vertices"]) == set(steps["block0.scores"]["vertices"])
+    qkv_tiles = set(vertices_of(program, steps["block0.qkv"]))
+    assert set(vertices_of(program, steps["block0.scores"])) <= qkv_tiles
+    assert set(vertices_of(program, steps["block0.context"])) == set(vertices_of(program, steps["block0.scores"]))
 
 
 def test_vit_fp8_broadcasts_and_folds_its_casts(vit):
@@ -139,7 +139,7 @@ def test_vit_fp8_broadcasts_and_folds_its_casts(vit):
     assert max(fanout) > 1 and sum(f > 1 for f in fanout) >= 10      # blocks sent once to several tiles
     casts = [s["name"] for s in program["steps"] if s["name"].startswith("cast_")]
     assert casts == []                                               # every cast folded into its producer
-    kernels = {k for s in program["steps"] for verts in s["vertices"].values() for k, _ in verts}
+    kernels = {program["kernels"][k] for s in program["steps"] for k in s["vertices"][:, 1].tolist()}
     assert {"matmul_f143_f143_fp8", "layernorm_f32_fp8", "matmul_f143_f143_gelu_fp8", "softmax_f32_fp8",
             "cast_rows_f32_f143"} <= kernels
     assert vit.json("verdict")["pass"]
@@ -185,8 +185,8 @@ def test_attention_following_its_heads_runs_right_on_the_simulator(tmp_path):
     assert profile["total_cycles"] == cost["final_cycles"]
     steps = {s["name"]: s for s in rebuilt.json("program")["steps"]}
     assert not len(steps["block0.softmax"]["transfers"])
-    scores_tiles = set(steps["block0.scores"]["vertices"])
-    assert scores_tiles <= set(steps["block0.qkv"]["vertices"])
+    scores_tiles = set(vertices_of(program, steps["block0.scores"]))
+    assert scores_tiles <= set(vertices_of(program, steps["block0.qkv"]))
 
 
 # A target whose plan pools a supertile pair's ports (paired exchange). On 16 tiles every tile of
@@ -277,7 +277,7 @@ def test_split_k_reduces_on_every_k_slice_and_runs_right_on_the_simulator(tmp_pa
         plan = split[op.name]
         reduce_steps = [s for s in program["steps"] if s["name"] == f"{op.name}#1"]
         assert len(reduce_steps) == 1, names
-        reducers = {t for t, verts in reduce_steps[0]["vertices"].items() if verts}
+        reducers = {t for t, verts in vertices_of(program, reduce_steps[0]).items() if verts}
         rows = g.values[op.outputs[0]].rows
         assert len(reducers) == plan["m"] * plan["n"] * min(plan["k"], rows // plan["m"]), (op.name, plan)
         est = sc.estimator.term(op, layout, res).cycles

@@ -51,39 +51,42 @@ def bind_values(ctx):
 
 
 def bind(program: dict, graph: Graph, layout: dict, tile_count: int) -> dict:
-    """``program`` (planned from the plan graph) with every vertex's integer arguments taken
+    """``program`` (planned from the plan graph) with every vertex's numeric arguments taken
     from the lowering of ``graph`` under ``layout``; buffer references stay. The two lowerings
     must agree on everything else (an internal error names the operation if not)."""
-    from .planning.program import PlanResolver
+    import numpy as np
+    from .planning.program import PlanResolver, _ranges
     resolver = PlanResolver.of(graph, tile_count)
     resolved = resolver.resolve(layout)
+    kernel_index = {k: i for i, k in enumerate(program["kernels"])}
     steps, s = [], 0
     for op in graph.ops:
         choice, offset = resolved[op.id]
         for stage in resolver.lowering(op, choice).stages:
+            if s >= len(program["steps"]) or program["steps"][s]["op"] != op.id:
+                raise UserError("bind_values", f"the program's steps are not those of operation {op.name}")
             step = program["steps"][s]
             s += 1
-            if step["op"] != op.id:
-                raise UserError("bind_values", f"the program's step {step['name']} is not of operation {op.name}")
-            verts = dict(step["vertices"])
-            seen: dict[str, int] = {}
-            changed: dict[str, list] = {}
+            # the stage's vertices as build_program lays them out: in tile order, each tile's in order
+            vertices, values, refs = [], [], []
             for work in stage:
-                tile = str((offset + work.tile) % tile_count)
+                tile = (offset + work.tile) % tile_count
                 for kernel, args in work.vertices:
-                    i = seen.get(tile, 0)
-                    seen[tile] = i + 1
-                    pk, pargs = verts[tile][i]
-                    if pk != kernel or len(pargs) != len(args):
-                        raise UserError("bind_values", f"operation {op.name}: its lowering with the model's "
-                                        "scales differs from the planned one beyond scale arguments")
-                    bound = [pa if isinstance(pa, list) else int(a) for pa, a in zip(pargs, args)]
-                    if bound != pargs:
-                        row = changed.setdefault(tile, list(verts[tile]))
-                        row[i] = [pk, bound]
-            if changed:
-                verts.update(changed)
-                step = dict(step, vertices=verts)
+                    vertices.append((tile, kernel_index.get(kernel, -1), len(args)))
+                    values.extend(0 if isinstance(a, tuple) else int(a) for a in args)
+                    refs.extend(isinstance(a, tuple) for a in args)
+            vertices = np.array(vertices, dtype=np.int64).reshape(-1, 3)
+            order = np.argsort(vertices[:, 0], kind="stable")
+            counts = vertices[order, 2]
+            at = _ranges((np.cumsum(vertices[:, 2]) - vertices[:, 2])[order], counts)
+            values, refs = np.asarray(values, dtype=np.int64)[at], np.asarray(refs, dtype=bool)[at]
+            args = step["args"]
+            if not np.array_equal(vertices[order], step["vertices"]) or not np.array_equal(refs, args[:, 1] > 0):
+                raise UserError("bind_values", f"operation {op.name}: its lowering with the model's "
+                                "scales differs from the planned one beyond scale arguments")
+            bound = np.where(refs, args[:, 0], values)
+            if not np.array_equal(bound, args[:, 0]):
+                step = dict(step, args=np.stack([bound, args[:, 1]], axis=1))
             steps.append(step)
     if s != len(program["steps"]):
         raise UserError("bind_values", "the program has steps no operation of the graph lowers to")

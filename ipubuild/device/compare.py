@@ -57,21 +57,21 @@ def value_map(graph: Graph, program: dict, storage: dict) -> dict:
     matrix, stored row-major at ``address`` on ``tile`` after ``step``, written by that tile's
     vertices ``[first, end)`` of that step, the first of which runs ``kernels[kernel index]``."""
     placed = placement_of(storage)
+    names = program["kernels"]
     out: dict[int, dict] = {}
     for s, step in enumerate(program["steps"]):
         op = graph.ops[step["op"]]
-        kernels = sorted({k for verts in step["vertices"].values() for k, _ in verts})
-        for tile, bid, vk, r0, r1, c0, c1, v0, v1 in step.get("writes", []):
-            if not vk.startswith("v"):
+        vertices = step["vertices"]
+        kernels = sorted({names[k] for k in set(vertices[:, 1].tolist())})
+        for tile, buffer, vid, r0, r1, c0, c1, v0, v1 in step["writes"].tolist():
+            if vid < 0:
                 continue            # an operation's temporary (partial sums): not a value
-            vid = int(vk[1:])
             v = graph.values[vid]
             entry = out.setdefault(vid, {"value": vid, "name": v.name, "op": op.name, "dtype": v.dtype,
                                          "shape": list(v.shape), "scale_exp": v.scale_exp, "kernels": [],
                                          "blocks": []})
-            verts = step["vertices"][str(tile)]
-            first = verts[v0][0] if v0 < v1 else ""
-            entry["blocks"].append([tile, placed.address(bid), r0, r1, c0, c1, s, v0, v1, first])
+            first = names[vertices[int(np.searchsorted(vertices[:, 0], tile)) + v0, 1]] if v0 < v1 else ""
+            entry["blocks"].append([tile, int(placed.addresses[buffer]), r0, r1, c0, c1, s, v0, v1, first])
         for vid in op.outputs:
             if vid in out:
                 out[vid]["kernels"] = sorted(set(out[vid]["kernels"]) | set(kernels))

@@ -34,8 +34,9 @@ def vertex_cycles(kernel: str, args, machine: dict, kernels: dict | None = None)
 _cycles: dict = {}
 
 
-def step_compute(step: dict, machine: dict) -> dict[str, int]:
-    """Per tile, the compute cycles of one program step. Memoised by the step itself: a program
+def step_compute(step: dict, machine: dict, program_kernels: list[str]) -> dict[str, int]:
+    """Per tile, the compute cycles of one program step (whose vertices index
+    ``program_kernels``, the program's ``kernels``). Memoised by the step itself: a program
     built by resuming another (``build_program``) shares its steps, which are never modified
     once built (readers of the engine's values must not modify them)."""
     kernels = registry()
@@ -45,14 +46,32 @@ def step_compute(step: dict, machine: dict) -> dict[str, int]:
         if found is not None:
             _computes.move_to_end(key)
             return found[0]
-    variants = kernels.kernels
-    compute = {tile: sum(vertex_cycles(k, a, machine, variants) for k, a in verts)
-               for tile, verts in step["vertices"].items()}
+    compute = _tiles_compute(step, program_kernels, kernels.kernels, machine)
     with _computes_lock:
         _computes[key] = (compute, step, machine, kernels)   # held, so that their ids are not reused
         while len(_computes) > COMPUTES_KEPT:
             _computes.popitem(last=False)
     return compute
+
+
+def _tiles_compute(step: dict, names: list[str], variants: dict, machine: dict) -> dict[str, int]:
+    """``step_compute`` worked out: each vertex's cycles by its kernel's estimator on its scalar
+    arguments (buffer references as 0), looked up once per distinct kernel and arguments."""
+    v = step["vertices"].astype(np.int64)
+    if not len(v):
+        return {}
+    args = step["args"]
+    scalars = np.where(args[:, 1] == 0, args[:, 0], 0).tolist()
+    cycles, at, seen = [], 0, {}
+    for kernel, count in v[:, 1:].tolist():
+        key = (kernel, *scalars[at:at + count])
+        c = seen.get(key)
+        if c is None:
+            c = seen[key] = vertex_cycles(names[kernel], scalars[at:at + count], machine, variants)
+        cycles.append(c)
+        at += count
+    per_tile = np.bincount(v[:, 0], weights=np.asarray(cycles, dtype=np.float64)).astype(np.int64)
+    return {str(t): int(per_tile[t]) for t in np.unique(v[:, 0]).tolist()}
 
 
 #: the steps whose compute is kept, the most recently used: a ViT-B/16 program has 209 steps, and
@@ -90,7 +109,7 @@ def program_cost(program: dict, horizons: list[int], machine: dict) -> dict:
     total = exchange = bound = 0
     steps = []
     for step, horizon in zip(program["steps"], horizons):
-        compute = step_compute(step, machine)
+        compute = step_compute(step, machine, program["kernels"])
         slowest = max(compute.values(), default=0)
         moved = transfer_bytes(step["transfers"])
         bound += max(-(-sum(compute.values()) // tiles),

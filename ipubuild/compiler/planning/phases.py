@@ -57,11 +57,24 @@ def provisional_code_bytes(program: dict, reservations: dict) -> dict[str, int]:
     for step in program["steps"]:
         if len(step["transfers"]):
             table += _step_table(step["transfers"], tiles)
-    table = table.tolist()
-    by_tile = _steps_by_tile(program)
+    table, body = table.tolist(), program_steps_bytes(program).tolist()
     return {tile: sum(reservations[k] for k in per_tile.get(tile, [])) + codegen.exchange_bytes(0, 0)
-            + table[int(tile)] + _program_size(program, tile, per_tile.get(tile, []), by_tile)
+            + table[int(tile)] + codegen.program_bytes(per_tile.get(tile, []), []) + body[int(tile)]
             for tile in map(str, range(tiles))}
+
+
+def program_steps_bytes(program: dict) -> np.ndarray:
+    """Per tile, what its steps take of its encoded tile program (``codegen.program_bytes`` less
+    the header and kernel names, which do not depend on the steps): 8 bytes per step it runs
+    vertices in, 4 per vertex and 4 per argument."""
+    tiles = program["tile_count"]
+    out = np.zeros(tiles, np.int64)
+    for step in program["steps"]:
+        v = step["vertices"].astype(np.int64)
+        if len(v):
+            np.add.at(out, v[:, 0], 4 + 4 * v[:, 2])
+            out[np.unique(v[:, 0])] += 8
+    return out
 
 
 def _step_table(transfers: np.ndarray, tiles: int) -> np.ndarray:
@@ -122,25 +135,6 @@ def _renumbered(transfers: np.ndarray) -> _Step:
 
 
 _steps: dict[int, _Step] = {}
-
-
-def _steps_by_tile(program) -> dict[str, list]:
-    """``{tile: [(step index, its vertices on the tile), ...]}`` in step order."""
-    out: dict[str, list] = {}
-    for s, step in enumerate(program["steps"]):
-        for tile, verts in step["vertices"].items():
-            out.setdefault(tile, []).append((s, verts))
-    return out
-
-
-def _program_size(program, tile, kernels, by_tile=None):
-    if by_tile is None:
-        by_tile = _steps_by_tile(program)
-    index: dict = {}
-    for i, k in enumerate(kernels):
-        index.setdefault(k, i)
-    steps = [[s, [[index[k], a] for k, a in verts]] for s, verts in by_tile.get(tile, [])]
-    return codegen.program_bytes(kernels, steps)
 
 
 def _allocate_all(program: dict, code: dict[str, int], machine: dict) -> bytes:
@@ -231,7 +225,10 @@ def schedule_provisional_exchanges(ctx):
 def plan_kernels(ctx):
     program = ctx.json("program")
     per_tile = kernels_per_tile(program)
-    vertices = {t: sum(len(step["vertices"].get(t, [])) for step in program["steps"]) for t in per_tile}
+    counts = np.zeros(program["tile_count"], np.int64)
+    for step in program["steps"]:
+        np.add.at(counts, step["vertices"][:, 0].astype(np.int64), 1)
+    vertices = {t: int(counts[int(t)]) for t in per_tile}
     return {"kernel_plan": _json({"tiles": per_tile, "vertices": vertices,
                                   "kernels": sorted({k for ks in per_tile.values() for k in ks})})}
 
@@ -272,12 +269,11 @@ def size_tile_code(ctx):
         g = exchange.scheduled(s)
         entries += np.bincount(g.heads[:, 0], minlength=tiles)
         dests += np.bincount(g.heads[:, 0], weights=g.destinations(), minlength=tiles).astype(np.int64)
-    entries, dests = entries.tolist(), dests.tolist()
+    entries, dests, body = entries.tolist(), dests.tolist(), program_steps_bytes(program).tolist()
     out = {}
-    by_tile = _steps_by_tile(program)
     for tile in map(str, range(tiles)):
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
-        prog = _program_size(program, tile, kernels, by_tile)
+        prog = codegen.program_bytes(kernels, []) + body[int(tile)]
         xch = codegen.exchange_bytes(entries[int(tile)], dests[int(tile)])
         kb = link["tiles"].get(tile, {"kernel_bytes": 0})["kernel_bytes"]
         out[tile] = {"kernel_bytes": kb, "program_bytes": prog, "exchange_table_bytes": xch,
@@ -333,6 +329,27 @@ def optimize_exchange_placement(ctx):
 
 
 # code and images -------------------------------------------------------------------------------
+def _tile_steps(program: dict, placed) -> dict[int, list]:
+    """``{tile: [[step, [[kernel (the program's index), [u32 arguments]], ...]], ...]}``: each
+    tile's vertices per step with every buffer argument placed (``placed``: a
+    ``graph.placement.Placement``)."""
+    out: dict[int, list] = {}
+    addresses = np.asarray(placed.addresses, dtype=np.int64)
+    for s, step in enumerate(program["steps"]):
+        v, args = step["vertices"], step["args"].astype(np.int64)
+        if not len(v):
+            continue
+        values = (args[:, 0] + np.where(args[:, 1] > 0, addresses[args[:, 1]], 0)).tolist()
+        at = 0
+        for tile, kernel, count in v.tolist():
+            verts = out.setdefault(tile, [])
+            if not verts or verts[-1][0] != s:
+                verts.append([s, []])
+            verts[-1][1].append((kernel, values[at:at + count]))
+            at += count
+    return out
+
+
 @phase("prepare_tile_code", inputs=("graph", "params", "program", "storage", "placed_exchanges", "link_map",
                                     "code_sizes"),
        outputs=("tile_program/*", "tile_data/*", "host_program"))
@@ -347,16 +364,12 @@ def prepare_tile_code(ctx):
     for s, table in enumerate(ctx.json("placed_exchanges")):
         for e in exchange.Groups.from_fields(table).entry_lists():
             sends[str(e[0])].append([s] + e)
+    steps_of = _tile_steps(program, placed)
     out = {}
     for tile, bufs in buffers.items():
         kernels = [k for k, _, _ in link["tiles"].get(tile, {"kernels": []})["kernels"]]
-        steps = []
-        for s, step in enumerate(program["steps"]):
-            verts = step["vertices"].get(tile)
-            if verts:
-                steps.append([s, [[kernels.index(k), [address[int(a[1][1:])] + a[2] if isinstance(a, list) else a
-                                                      for a in args]]
-                                  for k, args in verts]])
+        index = {program["kernels"].index(k): i for i, k in enumerate(kernels)}
+        steps = [[s, [[index[k], args] for k, args in verts]] for s, verts in steps_of.get(int(tile), [])]
         code_address = placed.tiles[tile]["ranges"]["code_address"]
         kb = sizes[tile]["kernel_bytes"]
         out[f"tile_program/{tile}"] = _plan({

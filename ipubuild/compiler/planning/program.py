@@ -15,7 +15,7 @@ from collections import defaultdict
 import numpy as np
 
 from ...engine.errors import UserError
-from ...graph.artifacts import BUFFER_KINDS, buffer_codes, to_plan_blob
+from ...graph.artifacts import BUFFER_KINDS, buffer_codes, buffer_names, to_plan_blob
 from ...graph.ir import Graph
 from ...graph.program_buffers import ROW_FIELDS, table_of_rows
 from ...graph.operators import key, registry
@@ -317,8 +317,9 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
         stored, const_bufs, input_bufs = defaultdict(Blocks), {}, {}
     inputs, constants = set(graph.inputs), set(graph.constants)
     consumers = graph.consumers()
-    tile_keys = [str(t) for t in range(tile_count)]
     kind_codes = {k: BUFFER_KINDS.index(k) for k in BUFFER_KINDS}
+    kernel_names = kernels_of_registry()
+    kernel_index = {k: i for i, k in enumerate(kernel_names)}
 
     info: dict[str, tuple] = {}
 
@@ -365,9 +366,10 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
         inplace = _casts_in_place(graph, op, consumers)
         for stage_index, stage in enumerate(lowering.stages):
             s = len(steps)
-            step = {"name": f"{op.name}#{stage_index}" if len(lowering.stages) > 1 else op.name,
-                    "op": op.id, "transfers": None, "vertices": {}, "writes": []}
-            vertices, writes = step["vertices"], step["writes"]
+            step = {"name": f"{op.name}#{stage_index}" if len(lowering.stages) > 1 else op.name, "op": op.id}
+            vertices = _VertexRows()
+            writes = array("q")            # tile, buffer, value, r0, r1, c0, c1, first and end vertex
+            on_tile: dict[int, int] = {}   # the tile's vertices so far in the step
             gathered: dict[tuple, tuple] = {}
             gathers: list[tuple] = []       # (value, read block, tile, buffer, item size, blocks stored so far)
             for work in stage:
@@ -375,7 +377,7 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
                     raise UserError(f"operation {op.name}", f"its plan {resolver.plans[op.id][choice[0]]} needs tile "
                                     f"{work.tile} but the target has {tile_count}; raise target.tile_count")
                 tile = (offset + work.tile) % tile_count
-                read_bufs = []
+                read_bufs, read_numbers = [], []
                 for blk in work.reads:
                     vk = blk[0]
                     isz, kind = kinds.get(vk) or kind_of(vk)
@@ -397,26 +399,28 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
                         bid, n = found
                     uses.append(n)
                     read_bufs.append(bid)
-                write_bufs = []
+                    read_numbers.append(n)
+                write_numbers = []
                 for blk in work.writes:
                     vk = blk[0]
                     if inplace and not read_bufs[0].startswith(("c", "i")):
-                        bid = read_bufs[0]          # the cast overwrites its input's buffer
+                        bid, n = read_bufs[0], read_numbers[0]     # the cast overwrites its input's buffer
                     else:
                         isz = (kinds.get(vk) or kind_of(vk))[0]
-                        bid, _ = new_buf(tile, "o", blk, isz, s)
+                        bid, n = new_buf(tile, "o", blk, isz, s)
                     stored[vk].add(tile, bid, blk[1:])
-                    write_bufs.append(bid)
-                verts = vertices.get(tile_keys[tile])
-                if verts is None:
-                    verts = vertices[tile_keys[tile]] = []
-                first_vertex = len(verts)
+                    write_numbers.append(n)
+                first_vertex = on_tile.get(tile, 0)
                 for kernel, args in work.vertices:
-                    verts.append([kernel, [["b", (read_bufs if a[0] == "r" else write_bufs)[a[1]], a[2]]
-                                           if isinstance(a, tuple) else a for a in args]])
+                    vertices.add(tile, kernel_index[kernel], args, read_numbers, write_numbers)
+                on_tile[tile] = first_vertex + len(work.vertices)
                 # which buffer holds each block written, and the vertices that wrote it (for read-back)
-                writes.extend([tile, bid, *blk, first_vertex, len(verts)] for bid, blk in zip(write_bufs, work.writes))
+                for n, blk in zip(write_numbers, work.writes):
+                    writes.extend((tile, n, int(blk[0][1:]) if blk[0].startswith("v") else -1, *blk[1:],
+                                   first_vertex, on_tile[tile]))
             step["transfers"] = _gather(gathers, stored, uses, vinfo)
+            step.update(vertices.arrays())
+            step["writes"] = np.frombuffer(writes, np.int64).reshape(-1, len(WRITE_FIELDS)).astype(np.int32)
             steps.append(step)
             use_ends.append(len(uses))
     marks.append(mark())
@@ -445,6 +449,7 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
         in_ranges[int(blk[0][1:])].append([tile, bid, *blk[1:]])
     return {
         "tile_count": tile_count,
+        "kernels": kernel_names,
         "steps": steps,
         "buffers": table_of_rows(table[1:], ends[1:], value_keys, tile_count),
         "inputs": [{"value": vid, "name": graph.values[vid].name, "ranges": in_ranges[vid]}
@@ -456,9 +461,67 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
 
 
 def program_blob(program: dict) -> bytes:
-    """The ``program`` artifact: its steps' transfers and its buffer table as arrays
-    (``to_plan_blob``), the rest JSON."""
-    return to_plan_blob(program, (("steps", "*", "transfers"), ("buffers", "table")))
+    """The ``program`` artifact: its steps' transfers, vertices and writes and its buffer table
+    as arrays (``to_plan_blob``), the rest JSON."""
+    return to_plan_blob(program, (*(("steps", "*", k) for k in STEP_ARRAYS), ("buffers", "table")))
+
+
+#: what a step holds as arrays: its transfers (``TRANSFER_FIELDS``), its vertices (``VERTEX_FIELDS``)
+#: and their arguments (``ARG_FIELDS``), and the blocks it writes (``WRITE_FIELDS``)
+STEP_ARRAYS = ("transfers", "vertices", "args", "writes")
+#: a vertex: its tile, its kernel (an index into the program's ``kernels``) and how many arguments
+#: it takes (they follow the previous vertex's in ``args``); a step's vertices are in tile order,
+#: each tile's in the order it runs them
+VERTEX_FIELDS = ("tile", "kernel", "args")
+#: an argument: a number, or (``buffer`` not 0) a byte offset into the buffer of that number
+ARG_FIELDS = ("value", "buffer")
+#: a written block: the tile and buffer that hold it, the value (its id; -1 for an operation's
+#: temporary) and its block, and the tile's vertices of the step that wrote it
+WRITE_FIELDS = ("tile", "buffer", "value", "r0", "r1", "c0", "c1", "first_vertex", "end_vertex")
+
+
+def kernels_of_registry() -> list[str]:
+    """Every kernel variant the plugins declare, sorted: what a program's vertices index."""
+    return sorted(registry().kernels)
+
+
+class _VertexRows:
+    """One step's vertices as ``build_program`` makes them (in work order), made into the
+    step's arrays (in tile order) at the end."""
+
+    def __init__(self):
+        self.tile, self.kernel, self.count = array("q"), array("q"), array("q")
+        self.args = array("q")               # value, buffer; value, buffer; ...
+
+    def add(self, tile: int, kernel: int, args: list, read_numbers: list, write_numbers: list) -> None:
+        self.tile.append(tile)
+        self.kernel.append(kernel)
+        self.count.append(len(args))
+        out = self.args
+        for a in args:
+            if isinstance(a, tuple):      # ("r" | "w", i, byte offset): the i-th buffer read or written
+                out.append(a[2])
+                out.append((read_numbers if a[0] == "r" else write_numbers)[a[1]])
+            else:
+                out.append(a)
+                out.append(0)
+
+    def arrays(self) -> dict:
+        tile = np.frombuffer(self.tile, np.int64)
+        count = np.frombuffer(self.count, np.int64)
+        args = np.frombuffer(self.args, np.int64).reshape(-1, len(ARG_FIELDS))
+        order = np.argsort(tile, kind="stable")
+        vertices = np.stack([tile, np.frombuffer(self.kernel, np.int64), count], axis=1)[order]
+        if not (order[1:] > order[:-1]).all():          # the arguments follow their vertices
+            start = np.cumsum(count) - count
+            args = args[_ranges(start[order], count[order])]
+        return {"vertices": vertices.astype(np.int32), "args": np.ascontiguousarray(args)}
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The indices ``starts[0] … starts[0] + counts[0] - 1``, then the next range's, …"""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return starts[owner] + np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _casts_in_place(graph: Graph, op, consumers) -> bool:
@@ -518,8 +581,28 @@ def _gather(gathers: list[tuple], stored: dict, uses, vinfo) -> np.ndarray:
 
 def kernels_per_tile(program: dict) -> dict[str, list[str]]:
     """The kernel variants each tile runs (every tile of the target, possibly none)."""
-    out: dict[str, set] = {str(t): set() for t in range(program["tile_count"])}
-    for step in program["steps"]:
-        for tile, verts in step["vertices"].items():
-            out[tile].update(k for k, _ in verts)
-    return {t: sorted(ks) for t, ks in sorted(out.items(), key=lambda kv: int(kv[0]))}
+    tiles, names = program["tile_count"], program["kernels"]
+    pairs = np.unique(np.concatenate([s["vertices"][:, 0].astype(np.int64) * len(names) + s["vertices"][:, 1]
+                                      for s in program["steps"]] + [np.zeros(0, np.int64)]))
+    out: dict[str, list[str]] = {str(t): [] for t in range(tiles)}
+    for tile, kernel in zip((pairs // len(names)).tolist(), (pairs % len(names)).tolist()):
+        out[str(tile)].append(names[kernel])
+    return out
+
+
+def vertices_of(program: dict, step: dict) -> dict[str, list]:
+    """A step's vertices as ``{tile: [[kernel, args], ...]}`` (tiles that run none left out), a
+    buffer argument as ``["b", buffer name, byte offset]``: for reading a program, not for
+    passes over all of it."""
+    from ...graph.artifacts import buffer_numbers
+    buffers = program["buffers"]["table"]
+    names = buffer_names(buffers[:, 1])
+    by_number = dict(zip(buffer_numbers(buffers[:, 1]).tolist(), names))
+    out: dict[str, list] = {}
+    args = step["args"].tolist()
+    at = 0
+    for tile, kernel, count in step["vertices"].tolist():
+        out.setdefault(str(tile), []).append([program["kernels"][kernel], [
+            ["b", by_number[b], v] if b else v for v, b in args[at:at + count]]])
+        at += count
+    return out
