@@ -183,7 +183,8 @@ def test_attention_following_its_heads_runs_right_on_the_simulator(tmp_path):
     cost, verdict, profile = rebuilt.json("cost"), rebuilt.json("verdict"), rebuilt.json("profile")
     assert verdict["pass"] and verdict["device_ok"] and float(verdict["min_cosine"]) > 0.999
     assert profile["total_cycles"] == cost["final_cycles"]
-    steps = {s["name"]: s for s in rebuilt.json("program")["steps"]}
+    program = rebuilt.json("program")
+    steps = {s["name"]: s for s in program["steps"]}
     assert not len(steps["block0.softmax"]["transfers"])
     scores_tiles = set(vertices_of(program, steps["block0.scores"]))
     assert scores_tiles <= set(vertices_of(program, steps["block0.qkv"]))

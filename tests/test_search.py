@@ -629,7 +629,7 @@ def test_an_evaluation_gives_the_code_room_its_provisional_placement_left(built_
     r = search.evaluate(ws.engine, base, ws.engine.decoded(ws.read_ref("small/layout")), target)
     machine = load_machine("ipu21")
     provisional = ws.engine.decoded(ws.read_ref("small/provisional_storage"))
-    code = [machine["memory"]["executable_end"] - provisional[str(t)]["ranges"]["code_end"] for t in range(16)]
+    code = [machine["memory"]["executable_end"] - provisional["tiles"][str(t)]["ranges"]["code_end"] for t in range(16)]
     assert r["code_room"] == code == search.code_room(ws.engine.decoded(ws.read_ref("small/provisional_code")), machine)
     assert all(0 < c < machine["memory"]["executable_end"] - tile_ranges(machine, 0)["code_address"] for c in code)
 
