@@ -3,6 +3,7 @@ the Python loops (``exchange.schedule_python``) give: same horizon, same order, 
 and on every phase of a real program, ordinary and paired, before and after storage placement."""
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
@@ -109,3 +110,42 @@ def test_a_phase_schedules_the_same_whatever_its_buffers_numbers():
             assert _same_schedule(exchange.restore_buffers(exchange.schedule_phase(renamed, MACHINE), codes), want)
             checked += 1
     assert checked > 410
+
+
+def test_a_memoised_horizon_is_the_phase_schedules_whatever_its_addresses():
+    """``exchange.horizon_of`` remembers horizons by the phase's shape (tiles, rows and row bytes
+    in content order), not its addresses: a phase whose buffers all moved by the same amount is
+    a hit, and every answer, hit or not, is the horizon of the phase scheduled afresh."""
+    rng = random.Random(28)
+    hits = 0
+    for _ in range(300):
+        group = exchange.broadcasts(_random_phase(rng), False)
+        placed = [[t[0], 64 * i + t[2], t[3], t[4], 64 * i + 8 + t[6], *t[7:10],
+                   *(x for d in range(10, len(t), 4) for x in (t[d], 64 * i + 16 + t[d + 2], t[d + 3]))]
+                  for i, t in enumerate(group)]
+        for moved in (0, rng.randrange(1, 4096) * 8, 0):
+            entries = [[a + moved if k in (1, 4) or (k > 8 and k % 3 == 0) else a for k, a in enumerate(e)]
+                       for e in placed]
+            if moved == 0 and rng.random() < 0.5:                 # two addresses swapped: a new order
+                i, j = rng.randrange(len(entries)), rng.randrange(len(entries))
+                entries[i][1], entries[j][1] = entries[j][1], entries[i][1]
+            for paired in (False, True):
+                before = len(exchange._horizons)
+                got = exchange.horizon_of(entries, MACHINE, paired)
+                hits += len(exchange._horizons) == before
+                as_lists = [[e[0], 0, e[1], e[2], e[3], 0, *e[4:8], *(x for d in zip(e[8::3], e[9::3], e[10::3])
+                                                                     for x in (d[0], 0, d[1], d[2]))]
+                            for e in entries]
+                assert got == exchange.schedule_python(as_lists, MACHINE, paired)[0]
+    assert hits > 300
+    # five equal transfers whose horizon (44 or 66 cycles) depends on their order, which ties
+    # break by source address: every order is the horizon of its own
+    phase = [[1, 2], [1, 0], [0, 1], [0, 2], [2, 0]]
+    horizons = set()
+    for order in itertools.permutations(range(5)):
+        entries = [[src, 64 * k, 64, dst, 0, 64, 1, 64] for (src, dst), k in zip(phase, order)]
+        got = exchange.horizon_of(entries, MACHINE, False)
+        assert got == exchange.schedule_python([[e[0], 0, e[1], 64, e[3], 0, 0, 64, 1, 64] for e in entries],
+                                               MACHINE, False)[0]
+        horizons.add(got)
+    assert horizons == {44, 66}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from ipubuild.graph.program_buffers import ProgramBuffers, buffer_table, buffers_of
@@ -70,3 +71,28 @@ def test_headroom_is_the_largest_free_top_of_a_tiles_ranges():
     # tile 0: [0, 1000) used up to 156 (b's 50 bytes from 100 take 56), free from 160 (aligned);
     # [2000, 5000) up to 4904: the smaller range has the larger free top
     assert storage.headroom(placed, buffers, 8) == [1000 - 160, 1000]
+
+
+def test_a_tile_renumbered_upstream_is_placed_from_the_memo_as_afresh():
+    """``allocate_rows`` remembers a tile's placement by its buffers' sizes and lifetimes in
+    placement order: the same tile with its buffers numbered later in the program (an operation
+    upstream made more buffers) is a hit, and every answer, hit or not, is what first fit gives
+    (numbered in another order, equal buffers are placed in another order)."""
+    from ipubuild.graph.artifacts import buffer_codes
+    rnd = random.Random(41)
+    hits = 0
+    for _ in range(60):
+        bufs = _buffers(rnd, rnd.randrange(1, 80))
+        numbers = sorted(rnd.sample(range(10 ** 5, 5 * 10 ** 5), len(bufs)))
+        rows = np.array([[0, 0, b["size"], b["start"], b["end"], 0] for b in bufs.values()], dtype=np.int64)
+        for shift, order in ((0, 1), (rnd.randrange(1, 5 * 10 ** 5), 1), (0, -1)):     # -1: numbered backwards
+            rows[:, 1] = buffer_codes([f"o{n + shift}" for n in numbers[::order]])
+            before = len(storage._memo)
+            try:
+                got = storage.allocate_rows(rows, RANGES, 8, tile=0)
+            except UserError:
+                break
+            hits += len(storage._memo) == before
+            codes, size, start, end = rows[:, [1, 2, 3, 4]].T
+            assert got.tolist() == storage._place(None, codes, size, start, end, RANGES, 8, 0, None).tolist()
+    assert hits >= 30

@@ -468,21 +468,22 @@ def unicast(entries) -> np.ndarray:
 
 def horizon_of(entries, machine: dict, paired: bool) -> int:
     """The horizon of placed entries (``Groups``, or lists as ``placed_entries`` takes them; same
-    model as ``schedule``; memoised: a search candidate changes few exchange phases)."""
+    model as ``schedule``). Memoised by the entries' ``exchange_native.schedule_shape``: a search
+    candidate moves buffers, so addresses change in most phases, their shapes in few."""
     from ...engine import canonical
+    from . import exchange_native
     if not isinstance(entries, Groups):
         entries = placed_entries(entries)
-    key = (canonical.digest(b"".join(np.ascontiguousarray(a, dtype=np.int64).tobytes() for a in entries)),
-           paired, tuple(sorted(machine["exchange"].items())))
+    h, x = entries.heads, entries.extra
+    zeros = np.zeros(len(h), np.int64)
+    as_transfers = Groups(np.stack([h[:, 0], zeros, h[:, 1], h[:, 2], h[:, 3], zeros, h[:, 4], h[:, 5],
+                                    h[:, 6], h[:, 7]], axis=1).reshape(-1, 10),
+                          np.stack([x[:, 0], np.zeros(len(x), np.int64), x[:, 1], x[:, 2]], axis=1).reshape(-1, 4),
+                          entries.starts)
+    shape = np.ascontiguousarray(exchange_native.schedule_shape(as_transfers), dtype=np.int64)
+    key = (canonical.digest(shape.tobytes()), shape.shape, paired, tuple(sorted(machine["exchange"].items())))
     found = _horizons.get(key)
     if found is None:
-        from . import exchange_native
-        h, x = entries.heads, entries.extra
-        zeros = np.zeros(len(h), np.int64)
-        as_transfers = Groups(np.stack([h[:, 0], zeros, h[:, 1], h[:, 2], h[:, 3], zeros, h[:, 4], h[:, 5],
-                                        h[:, 6], h[:, 7]], axis=1).reshape(-1, 10),
-                              np.stack([x[:, 0], np.zeros(len(x), np.int64), x[:, 1], x[:, 2]], axis=1).reshape(-1, 4),
-                              entries.starts)
         done = exchange_native.schedule_groups(as_transfers, machine, paired)
         found = (done if done is not None else schedule_python(as_transfers.entry_lists(), machine, paired))[0]
         if len(_horizons) > 4096:

@@ -104,6 +104,17 @@ def schedule_groups(groups, machine: dict, paired: bool) -> tuple[int, list[int]
     return _schedule(_model(np.concatenate([h[:, [0, 8, 9]], dests], axis=1), machine, paired), tie)
 
 
+def schedule_shape(groups) -> np.ndarray:
+    """All that ``schedule_groups``'s horizon depends on: each group's source tile, rows, row
+    bytes and destination tiles (padded with -1), in the order of the groups' content rank.
+    Groups whose shapes are equal have equal horizons, whatever their addresses: a search
+    candidate that moves buffers keeps most phases' shapes."""
+    rows = np.concatenate([groups.heads[:, [0, 8, 9]], _destinations(groups)], axis=1)
+    out = np.empty_like(rows)
+    out[_content_rank(groups)] = rows
+    return out
+
+
 def _content_rank(groups) -> np.ndarray:
     """Each group's rank when the groups' lists are sorted (ties: their index), from the arrays:
     by their heads, and where heads are equal by their further destinations."""

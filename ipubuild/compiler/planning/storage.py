@@ -55,18 +55,25 @@ def allocate(buffers: dict[str, dict], ranges, alignment: int, *, tile: int, nam
 
 def allocate_rows(rows: np.ndarray, ranges, alignment: int, *, tile: int, names=None) -> np.ndarray:
     """``allocate`` for one tile's rows of a program's buffer table (``program_buffers``): each
-    row's address (read-only). Memoised by the rows' names, sizes and lifetimes: a search
-    candidate re-plans few tiles."""
-    columns = np.ascontiguousarray(rows[:, [CODE, SIZE, START, END]], dtype=np.int64)
-    key = (canonical.digest(columns), tuple(map(tuple, ranges)), alignment)
-    found = _memo.get(key)
-    if found is None:
-        codes, size, start, end = columns.T
-        found = _place(None, codes, size, start, end, ranges, alignment, tile, names)
-        found.flags.writeable = False
+    row's address (read-only). Memoised by the sizes and lifetimes in placement order (what
+    first fit depends on; not the buffers' numbers, which shift through the whole program when
+    one operation's buffers change): a search candidate re-plans few tiles."""
+    codes, size, start, end = np.ascontiguousarray(rows[:, [CODE, SIZE, START, END]], dtype=np.int64).T
+    if storage_native.library() is None:       # the Python loop orders equal buffers by name
+        return _place(None, codes, size, start, end, ranges, alignment, tile, names)
+    order = np.lexsort((codes, -size, start))
+    placed = np.ascontiguousarray(np.stack([size[order], start[order], end[order]]))
+    key = (canonical.digest(placed.tobytes()), len(order), tuple(map(tuple, ranges)), alignment)
+    in_order = _memo.get(key)
+    if in_order is None:
+        in_order = _place(None, codes, size, start, end, ranges, alignment, tile, names)[order]
+        in_order.flags.writeable = False
         if len(_memo) > 8192:
             _memo.clear()
-        _memo[key] = found
+        _memo[key] = in_order
+    found = np.empty(len(order), np.int64)
+    found[order] = in_order
+    found.flags.writeable = False
     return found
 
 
