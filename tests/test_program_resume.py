@@ -1,6 +1,7 @@
 """``build_program`` resumes the kept build of a layout that starts the same (a search candidate
-changes one or two operations): the program it makes is the one a fresh build makes, byte for
-byte, whatever the order of the layouts and whichever build it resumes."""
+changes one or two operations), and takes the later operations that read what they read there
+from it, renumbered: the program it makes is the one a fresh build makes, byte for byte,
+whatever the order of the layouts and whichever build it resumes."""
 from __future__ import annotations
 
 import copy
@@ -68,6 +69,8 @@ def test_a_resumed_program_is_the_program_a_fresh_build_makes(graph, seed):
         assert program_cost(got, zeros, machine) == program_cost(fresh, zeros, machine)
         assert len(resolver.builds) <= KEPT_BUILDS
     assert compared >= 16 and resumed >= 24 * len(graph.ops) // 4     # a quarter resumed (a third here)
+    # and of the operations after the first change, many taken from the kept build renumbered
+    assert resolver.replayed >= 4 * len(graph.ops)
 
 
 def test_a_layout_built_again_resumes_at_its_end_and_keeps_one_build(graph):

@@ -359,7 +359,8 @@ class Finish:
         memo.save()
         verdict = json.loads((root / entry["verdict_file"]).read_bytes())
         write_if_changed(root / "artifacts" / t / f"{t}.resolved.toml", entry["resolved"].encode())
-        _write_changes(root, t)
+        if _executed[0] or not (root / "artifacts" / t / f"{t}.changes.js").exists():
+            _write_changes(root, t)      # else no profile moved: the file is the last build's
         if _executed[0]:
             from ..engine.log import write_trace
             write_trace(root / "artifacts" / t / "build.trace.json", f"doit build:{t}")

@@ -50,6 +50,7 @@ def to_plan_json(value) -> bytes:
 
 BUFFER_KINDS = "cgio"       # constant, gathered, input, output: in the order of their letters
 _DIGITS = 8                 # a program's buffers are numbered below 10**8
+BUFFER_DIGITS = _DIGITS     # a buffer_code is its kind's index times 11**BUFFER_DIGITS, plus its digits
 
 
 def buffer_code(bid: str) -> int:

@@ -11,11 +11,13 @@ import itertools
 import threading
 from array import array
 from collections import defaultdict
+from typing import NamedTuple
 
 import numpy as np
 
 from ...engine.errors import UserError
-from ...graph.artifacts import BUFFER_KINDS, buffer_codes, buffer_names, to_plan_blob
+from ...graph.artifacts import (BUFFER_DIGITS, BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_names,
+                                buffer_numbers, to_plan_blob)
 from ...graph.ir import Graph
 from ...graph.program_buffers import ROW_FIELDS, table_of_rows
 from ...graph.operators import key, registry
@@ -57,6 +59,13 @@ class Blocks:
     def extend(self, tile_blocks, buf) -> None:
         """``add(tile, buf, blk)`` for each ``(tile, blk)``."""
         for tile, blk in tile_blocks:
+            self.items.append((tile, buf, blk))
+            self._exact.setdefault((tile, blk), buf)
+        self._arr = self._tiles = self._grid = self._keys = None
+
+    def add_all(self, items: list) -> None:
+        """``add(tile, buf, blk)`` for each ``(tile, buf, blk)`` (``blk`` a tuple)."""
+        for tile, buf, blk in items:
             self.items.append((tile, buf, blk))
             self._exact.setdefault((tile, blk), buf)
         self._arr = self._tiles = self._grid = self._keys = None
@@ -171,7 +180,9 @@ class PlanResolver:
         self.producer = graph.producer()
         self._plan: dict = {}
         self._lowered: dict = {}
+        self._reads: dict = {}
         self.builds: list = []                  # build_program's last builds (``_Build``)
+        self.replayed = 0                       # operations build_program took from a kept build's middle
         self.building = threading.Lock()        # one build at a time: builds and value ids are shared
         self.value_ids: dict[str, int] = {}     # value key -> its number in the builds' buffer rows
         self.value_keys: list[str] = []
@@ -243,6 +254,14 @@ class PlanResolver:
             self._lowered[k] = self.reg.get(op.type).lower(self.graph, op, self.plan(op, choice))
         return self._lowered[k]
 
+    def reads(self, op, choice: tuple) -> list[str]:
+        """The values (keys) the lowering of ``op`` with ``choice`` reads, sorted."""
+        k = (op.id, choice)
+        if k not in self._reads:
+            self._reads[k] = sorted({blk[0] for stage in self.lowering(op, choice).stages
+                                     for work in stage for blk in work.reads})
+        return self._reads[k]
+
 
 def work_of(graph: Graph) -> list[dict]:
     """Each operation's multiply-accumulates (with the dtype of its first input, which picks
@@ -256,6 +275,115 @@ def work_of(graph: Graph) -> list[dict]:
     return out
 
 
+class _State(NamedTuple):
+    """A build's growing parts (``_build_program``'s lists, arrays and tables)."""
+    steps: list
+    rows: array
+    uses: array
+    use_ends: list
+    stored: dict
+    const_bufs: dict
+    input_bufs: dict
+
+
+def _replay(base: "_Build", j: int, now: _State, gathered: list[str], value_keys: list) -> bool:
+    """Append operation ``j`` of ``base`` to the build ``now`` (at the start of operation ``j``)
+    as ``base`` made it, renumbered, if ``now`` holds what it reads as ``base`` did: the blocks
+    stored of each value it gathers (``gathered``) on the same tiles, in the same order, and the
+    constant and input blocks it made not made yet. Its buffers are then renumbered (its own
+    from ``now``'s next number, the others by the blocks and constants they hold) and its steps
+    moved to ``now``'s step count: the operation a fresh lowering makes, without the per-buffer
+    loop (a search candidate's change moves its consumers' reads; the operations after them
+    read what they read before). False, changing nothing, if it cannot."""
+    steps0, rows0, const0, input0, counts0 = base.marks[j]
+    steps1, rows1, const1, input1, counts1 = base.marks[j + 1]
+    old, new = [], []                          # external buffers: base's numbers, now's
+    for vk in gathered:
+        count = counts0.get(vk, 0)
+        if count != (len(now.stored[vk].items) if vk in now.stored else 0):
+            return False
+        if count:
+            (t0, b0), (t1, b1) = base.stored[vk].arrays(), now.stored[vk].arrays()
+            if not (np.array_equal(t0[:count], t1) and np.array_equal(b0[:count], b1)):
+                return False
+            old.append(buffer_numbers(base.stored[vk].codes()[:count]))
+            new.append(buffer_numbers(now.stored[vk].codes()))
+    for table, lo, hi, made in ((now.const_bufs, const0, const1, base.made("c")),
+                                (now.input_bufs, input0, input1, base.made("i"))):
+        if any(key in table for key, _ in made[lo:hi]):
+            return False                       # made by an earlier operation now: read, not made
+    shift = len(now.rows) // ROW_FIELDS - rows0
+    uses0 = np.frombuffer(base.uses, np.int64)[base.use_ends[steps0 - 1] if steps0 else 0:base.use_ends[steps1 - 1]
+                                               if steps1 else 0]
+    table = np.frombuffer(base.rows, np.int64).reshape(-1, ROW_FIELDS)
+    external = np.unique(uses0[uses0 < rows0])
+    ci = external[np.isin(table[external, 1], _CI)]
+    if len(ci):                                 # constants and inputs read: by their blocks
+        old.append(ci)
+        new.append(np.array([_ci_number(now, row, value_keys) for row in table[ci].tolist()], np.int64))
+    old_n = np.concatenate(old) if old else np.zeros(0, np.int64)
+    new_n = np.concatenate(new) if new else np.zeros(0, np.int64)
+    order = np.argsort(old_n, kind="stable")
+    old_n, new_n = old_n[order], new_n[order]
+    if (new_n < 0).any() or ((old_n[1:] == old_n[:-1]) & (new_n[1:] != new_n[:-1])).any():
+        return False
+    if not np.isin(external, old_n).all():
+        return False
+
+    def renumber(numbers: np.ndarray) -> np.ndarray:
+        numbers = np.asarray(numbers, np.int64)
+        out = numbers.copy()
+        own = numbers >= rows0
+        out[own] += shift
+        other = ~own & (numbers > 0)
+        out[other] = new_n[np.searchsorted(old_n, numbers[other])]
+        return out
+
+    def recode(codes: np.ndarray) -> np.ndarray:
+        codes = np.asarray(codes, np.int64)
+        return buffer_codes_of(codes // 11 ** BUFFER_DIGITS, renumber(buffer_numbers(codes)))
+
+    step_shift = len(now.steps) - steps0
+    made = table[rows0:rows1].copy()
+    made[np.isin(made[:, 1], _GO), 3] += step_shift
+    now.rows.frombytes(made.tobytes())
+    ends = base.use_ends[steps0 - 1] if steps0 else 0
+    for t in range(steps0, steps1):
+        st = base.steps[t]
+        transfers = st["transfers"].copy()
+        if len(transfers):
+            transfers[:, 1] = recode(transfers[:, 1])
+            transfers[:, 5] = recode(transfers[:, 5])
+        args, writes = st["args"].copy(), st["writes"].copy()
+        args[:, 1] = renumber(args[:, 1])
+        writes[:, 1] = renumber(writes[:, 1])
+        now.steps.append({**st, "transfers": transfers, "args": args, "writes": writes})
+        now.uses.frombytes(renumber(np.frombuffer(base.uses, np.int64)[ends:base.use_ends[t]]).tobytes())
+        ends = base.use_ends[t]
+        now.use_ends.append(len(now.uses))
+    for vk, count in counts1.items():
+        items = base.stored[vk].items[counts0.get(vk, 0):count]
+        if items:
+            numbers = renumber(buffer_numbers(base.stored[vk].codes()[counts0.get(vk, 0):count])).tolist()
+            now.stored[vk].add_all([(tile, f"{bid[0]}{n}", blk) for (tile, bid, blk), n in zip(items, numbers)])
+    for table, lo, hi, made in ((now.const_bufs, const0, const1, base.made("c")),
+                                (now.input_bufs, input0, input1, base.made("i"))):
+        for key, (bid, n) in made[lo:hi]:
+            table[key] = (f"{bid[0]}{n + shift}", n + shift)
+    return True
+
+
+_CI = [BUFFER_KINDS.index("c"), BUFFER_KINDS.index("i")]
+_GO = [BUFFER_KINDS.index("g"), BUFFER_KINDS.index("o")]
+
+
+def _ci_number(now: _State, row: list, value_keys: list) -> int:
+    """The number ``now`` gives the constant or input buffer of a buffer row, or -1."""
+    tile, kind, _, _, vid, r0, r1, c0, c1 = row
+    found = (now.const_bufs if kind == _CI[0] else now.input_bufs).get((tile, (value_keys[vid], r0, r1, c0, c1)))
+    return -1 if found is None else found[1]
+
+
 class _Build:
     """What ``build_program`` made of one layout, kept by the ``PlanResolver`` so that the next
     layout resumes where the two first differ: the operations before that are lowered the same,
@@ -267,6 +395,13 @@ class _Build:
     def __init__(self, resolved: list, steps, rows, uses, use_ends, stored, const_bufs, input_bufs, marks):
         self.resolved, self.steps, self.rows, self.uses, self.use_ends = resolved, steps, rows, uses, use_ends
         self.stored, self.const_bufs, self.input_bufs, self.marks = stored, const_bufs, input_bufs, marks
+        self._made: dict = {}
+
+    def made(self, kind: str) -> list:
+        """The constant (``"c"``) or input buffers as ``[(key, (name, number))]``, in the order made."""
+        if kind not in self._made:
+            self._made[kind] = list((self.const_bufs if kind == "c" else self.input_bufs).items())
+        return self._made[kind]
 
     def common(self, resolved: list) -> int:
         """How many leading operations ``resolved`` (choices and offsets in program order)
@@ -355,7 +490,8 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
         kinds[vk] = found = (vinfo(vk)[2], "c" if vid in constants else "i" if vid in inputs else "g")
         return found
 
-    for op in graph.ops[first:]:
+    state = _State(steps, rows, uses, use_ends, stored, const_bufs, input_bufs)
+    for j, op in enumerate(graph.ops[first:], first):
         marks.append(mark())
         choice, offset = by_op[op.id]
         try:
@@ -363,6 +499,11 @@ def _build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanR
         except ValueError as exc:
             raise UserError(f"layout of operation {op.name}", f"its plan cannot follow its producer: {exc}") from None
         temps.update(lowering.temps)
+        if base is not None and base.resolved[j] == resolved[j] and _replay(
+                base, j, state, [vk for vk in resolver.reads(op, choice) if (kinds.get(vk) or kind_of(vk))[1] == "g"],
+                value_keys):
+            resolver.replayed += 1
+            continue
         inplace = _casts_in_place(graph, op, consumers)
         for stage_index, stage in enumerate(lowering.stages):
             s = len(steps)
