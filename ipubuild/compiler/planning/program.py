@@ -418,7 +418,8 @@ KEPT_BUILDS = 2                 # the build the last one resumed (in a search, t
 def build_program(graph: Graph, layout: dict, tile_count: int, resolver: "PlanResolver | None" = None) -> dict:
     """The program of ``layout``. Its inner loop runs once per buffer read or written (1.4 M on
     ViT-B/16, in every search candidate), so it resumes the kept build of a layout that starts
-    the same (``_Build``) and keeps buffers as flat int rows, made into the buffer table once,
+    the same (``_Build``), takes the later operations that read what they read there from that
+    build, renumbered (``_replay``), and keeps buffers as flat int rows, made into the buffer table once,
     at the end, with their last steps from the steps that use them. ``resolver``: the graph's
     (default ``PlanResolver.of``, kept per process, which keeps the builds)."""
     resolver = resolver or PlanResolver.of(graph, tile_count)
