@@ -24,7 +24,7 @@ def program():
 
 def test_buffer_codes_of_kinds_and_numbers_are_the_codes_of_their_names():
     rng = np.random.default_rng(0)
-    numbers = np.concatenate([np.arange(12), rng.integers(0, 10 ** 8, 2000), [10 ** 8 - 1, 10 ** 7, 9999999]])
+    numbers = np.concatenate([np.arange(12), rng.integers(0, 10 ** 8, 2000), 10 ** np.arange(8), 10 ** np.arange(1, 9) - 1])
     kinds = rng.integers(0, len(BUFFER_KINDS), len(numbers))
     names = [f"{BUFFER_KINDS[k]}{n}" for k, n in zip(kinds.tolist(), numbers.tolist())]
     assert buffer_codes_of(kinds, numbers).tolist() == buffer_codes(names).tolist()

@@ -198,8 +198,12 @@ class Engine:
         """Store a blob this process made, keeping it at hand for its readers (and, for
         ``canonical.Json``, its value); ``pin`` as ``Store.put``."""
         d = self.store.put(data, pin=pin)
-        if hasattr(data, "value"):          # canonical.Json, or a plan blob: its value at hand
+        if hasattr(data, "value"):          # canonical.Json: its value at hand
             self._remember(d, data.value, _memory(data))
+        elif canonical.is_plan_blob(data):  # a plan blob this process made: its value too
+            made, value = registry.load(registry.PLAN_CODEC).take_value(data)
+            if made:
+                self._remember(d, value, _memory(data))
         if len(data) <= self.RECENT_BLOB_MAX:
             with self._lock:
                 if d not in self._recent:

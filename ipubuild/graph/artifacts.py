@@ -1,7 +1,9 @@
 """Decoding the artifacts phases share: the machine description, the graph, its parameters."""
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 import tomllib
 
 import numpy as np
@@ -106,16 +108,34 @@ def buffer_codes(names: list[str]) -> np.ndarray:
 
 def buffer_codes_of(kinds: np.ndarray, numbers: np.ndarray) -> np.ndarray:
     """``buffer_code`` of the buffers named by a kind (an index into ``BUFFER_KINDS``) and a
-    number each, without making their names."""
+    number each, without making their names: by table, a number's first digits (all of them
+    up to 4) and, past 4 digits, its last 4 moved to where its length puts them."""
     numbers = np.asarray(numbers, dtype=np.int64)
     if len(numbers) and (numbers.min() < 0 or numbers.max() >= 10 ** _DIGITS):
         raise ValueError(f"a program numbers at most 10**{_DIGITS} buffers")
+    length = 1 + np.searchsorted(_POWERS, numbers, side="right")
+    long = length > _HALF
+    code = _FIRST[np.where(long, numbers // 10 ** _HALF, numbers)]
+    code += np.where(long, _LAST[numbers % 10 ** _HALF] * 11 ** (_DIGITS - length), 0)
+    return code + np.asarray(kinds, dtype=np.int64) * 11 ** _DIGITS
+
+
+def _codes_slowly(numbers: np.ndarray) -> np.ndarray:
+    """``buffer_codes_of`` kind 0, digit by digit (for the tables)."""
     length = 1 + sum((numbers >= 10 ** k).astype(np.int64) for k in range(1, _DIGITS))
-    code = np.asarray(kinds, dtype=np.int64) * 11 ** _DIGITS
+    code = np.zeros(len(numbers), np.int64)
     for p in range(_DIGITS):
         digit = numbers // 10 ** np.maximum(length - 1 - p, 0) % 10
         code += np.where(p < length, digit + 1, 0) * 11 ** (_DIGITS - 1 - p)
     return code
+
+
+_HALF = _DIGITS // 2
+_POWERS = 10 ** np.arange(1, _DIGITS, dtype=np.int64)
+_FIRST = _codes_slowly(np.arange(10 ** _HALF, dtype=np.int64))    # n < 10**4: n's code
+# the code of exactly 4 digits (leading zeros too) as if in the first 4 of 4 places
+_LAST = sum((np.arange(10 ** _HALF, dtype=np.int64) // 10 ** (_HALF - 1 - q) % 10 + 1) * 11 ** (_HALF - 1 - q)
+            for q in range(_HALF))
 
 
 def buffer_numbers(codes: np.ndarray) -> np.ndarray:
@@ -141,10 +161,23 @@ def _halves(digits: int) -> tuple[np.ndarray, np.ndarray]:
 _HALVES = _halves(_DIGITS // 2)
 
 
-class PlanBlob(bytes):
-    """A plan blob's bytes, remembering the value they encode (as ``canonical.Json``)."""
+# plan blobs made in this process whose values the engine has not taken yet (``take_value``):
+# by the blob's id, the blob kept alive with it; a few, should a maker never hand one over
+_MADE: "collections.OrderedDict[int, tuple[bytes, object]]" = collections.OrderedDict()
+_MADE_KEPT = 4
+_made_lock = threading.Lock()
 
-    value: object
+
+def take_value(data: bytes) -> tuple[bool, object]:
+    """``(True, value)`` if ``data`` is a blob ``to_plan_blob`` made of ``value`` in this process
+    (once: the engine takes it to hand readers the value without decoding the bytes), else
+    ``(False, None)``. A ``bytes`` subclass carrying the value (as ``canonical.Json`` does)
+    would cost a copy of the blob, and another where the store streams it to disk."""
+    with _made_lock:
+        found = _MADE.pop(id(data), None)
+    if found is None or found[0] is not data:
+        return False, None
+    return True, found[1]
 
 
 def to_plan_blob(value, arrays: tuple[tuple, ...]) -> bytes:
@@ -167,8 +200,11 @@ def to_plan_blob(value, arrays: tuple[tuple, ...]) -> bytes:
         where.append(list(path))
     head = orjson.dumps({"value": skeleton, "arrays": where}, option=orjson.OPT_SORT_KEYS)
     members["skeleton"] = np.frombuffer(head, np.uint8)
-    out = PlanBlob(tensors.pack(members, prefix=canonical.PLAN_MAGIC))
-    out.value = value
+    out = tensors.pack(members, prefix=canonical.PLAN_MAGIC)
+    with _made_lock:
+        _MADE[id(out)] = (out, value)
+        while len(_MADE) > _MADE_KEPT:
+            _MADE.popitem(last=False)
     return out
 
 
