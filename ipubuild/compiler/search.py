@@ -231,6 +231,9 @@ class Pool:
                 max_workers=self.workers, mp_context=multiprocessing.get_context("fork"),
                 initializer=_worker_started)
             self.executor.submit(int).result()
+            # the incumbent's values (a gigabyte on ViT-B/16) are the workers' now: this process
+            # only screens until the search ends, and then reads what it needs from the store
+            _worker["engine"].forget_values()
 
     def _map_here(self, jobs: list[tuple]) -> list[dict]:
         if self.workers > 1 and self.executor is None:

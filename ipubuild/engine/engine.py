@@ -279,6 +279,14 @@ class Engine:
     # several candidates' in a search worker
     DECODED_BYTES = 3 << 30
 
+    def forget_values(self) -> None:
+        """Drop the decoded values and recent blobs kept at hand (readers then read the store)."""
+        with self._lock:
+            self._decoded.clear()
+            self._decoded_bytes = 0
+            self._recent.clear()
+            self._recent_bytes = 0
+
     def _remember(self, digest: str, value, size: int) -> None:
         with self._lock:
             if digest not in self._decoded:
