@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engine.log import progress
 from .estimator import Loads
 from ..graph.operators import registry
 from .gridplan import ranked_grids
@@ -91,7 +92,8 @@ class _Greedy:
         sc, est, g = self.sc, self.est, self.g
         layout = default_layout(g, sc.tile_count)
         cursor = 0
-        for op in g.ops:
+        for n, op in enumerate(g.ops):
+            progress("operations placed in the initial layout", n, len(g.ops))
             plans = sc.plans[op.id]
             follow = [i for i, p in enumerate(plans) if "follow" in p]
             own = [i for i, p in enumerate(plans) if not p.get("aligned")]   # see MatMul.plans
@@ -123,6 +125,7 @@ class _Greedy:
             self.loads.add(est.term(op, layout))
             if self.allowed is not None:
                 self.placed += self.held[op.id]
+        progress("operations placed in the initial layout", len(g.ops), len(g.ops))
         return layout
 
     def overflow(self, op, term) -> tuple[int, int]:
