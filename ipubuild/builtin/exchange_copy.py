@@ -30,7 +30,7 @@ def library():
         "xc_overlap": (I64, [I64, P, P, I64, P]),
         "xc_scatter": (None, [I64, P, P, I64, P, P]),
         "xc_inside": (None, [I64, P, I64, I64, P, P, P]),
-        "xc_by_step": (None, [I64, P, P, I64, P, P])},
+        "xc_order_by_step": (None, [I64, P, I64, P, P])},
         switch="IPUBUILD_NATIVE_SIM_EXCHANGE")
 
 
@@ -77,20 +77,20 @@ def inside(entries: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray | 
     return out.astype(bool)
 
 
-def by_step(entries: np.ndarray, steps: np.ndarray, n_steps: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """``entries`` (``[n, 8]``) ordered by their ``steps`` (each in ``[0, n_steps)``), the order
-    among one step's kept, and where each step's begin (``n_steps + 1`` bounds); None if the C
-    form is not available. A counting sort: the entries come tile by tile, each tile's in step
-    order, and a gather of them by a sorted index jumps between tiles at every row."""
+def order_by_step(steps: np.ndarray, n_steps: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The indices of ``steps`` (each in ``[0, n_steps)``) ordered by step, the order among one
+    step's kept, and where each step's begin (``n_steps + 1`` bounds); None if the C form is not
+    available. A counting sort: the rows come tile by tile, each tile's in step order; the
+    simulator gathers a step's rows when it runs the step, rather than copying all of them
+    (6.7 M on ViT-B/16, 430 MB) into step order first."""
     lib = library()
     if lib is None:
         return None
-    e = np.ascontiguousarray(entries, dtype=np.int64)
     s = np.ascontiguousarray(steps, dtype=np.int64)
-    out = np.empty_like(e)
+    order = np.empty(len(s), np.int64)
     bounds = np.empty(n_steps + 1, np.int64)
-    lib.xc_by_step(len(e), e.ctypes.data, s.ctypes.data, n_steps, out.ctypes.data, bounds.ctypes.data)
-    return out, bounds
+    lib.xc_order_by_step(len(s), s.ctypes.data, n_steps, order.ctypes.data, bounds.ctypes.data)
+    return order, bounds
 
 
 SOURCE = r"""/* The simulator's exchange phase (builtin/exchange_copy.py): entries are int64 rows of
@@ -172,14 +172,11 @@ void xc_inside(int64_t n, const int64_t *e, int64_t tiles, int64_t k, const int6
 }
 
 /* entries (rows of 8) ordered by step, stably: bounds[s] is where step s's begin (n_steps + 1 of them) */
-void xc_by_step(int64_t n, const int64_t *e, const int64_t *step, int64_t n_steps, int64_t *out, int64_t *bounds) {
+void xc_order_by_step(int64_t n, const int64_t *step, int64_t n_steps, int64_t *order, int64_t *bounds) {
     for (int64_t s = 0; s <= n_steps; s++) bounds[s] = 0;
     for (int64_t i = 0; i < n; i++) bounds[step[i] + 1]++;
     for (int64_t s = 0; s < n_steps; s++) bounds[s + 1] += bounds[s];
-    for (int64_t i = 0; i < n; i++) {
-        int64_t *o = out + 8 * bounds[step[i]]++;
-        memcpy(o, e + 8 * i, 8 * sizeof(int64_t));
-    }
+    for (int64_t i = 0; i < n; i++) order[bounds[step[i]]++] = i;
     for (int64_t s = n_steps; s > 0; s--) bounds[s] = bounds[s - 1];
     bounds[0] = 0;
 }

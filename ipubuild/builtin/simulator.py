@@ -405,7 +405,7 @@ def _input_bytes(binding: dict, inputs: dict) -> np.ndarray:
     return raw.view(np.uint8).reshape(-1)
 
 
-def _exchanges(tables: list, n_steps: int, bounds: tuple) -> tuple[list, dict]:
+def _exchanges(tables: list, n_steps: int, bounds: tuple) -> tuple["_StepRows", dict]:
     """The tiles' exchange tables (``(steps, rows, entry)`` each, in tile order, as
     ``codegen.decode_exchange_rows`` gives them) as each step's ``unicast`` rows (tile order, then
     table order, then destination order), and the failures of the rows that leave their tiles'
@@ -417,16 +417,28 @@ def _exchanges(tables: list, n_steps: int, bounds: tuple) -> tuple[list, dict]:
                         "the package is corrupt")
     row_steps = np.concatenate([s[entry] for s, _, entry in tables] + [np.zeros(0, np.int64)])
     rows = np.concatenate([r for _, r, _ in tables] + [np.zeros((0, 8), np.int64)])
-    found = exchange_copy.by_step(rows, row_steps, n_steps)
+    found = exchange_copy.order_by_step(row_steps, n_steps)
     if found is None:
         order = np.argsort(row_steps, kind="stable")
-        found = rows[order], np.searchsorted(row_steps[order], np.arange(n_steps + 1))
-    rows, at = found[0], found[1].tolist()
-    entries = [rows[a:b] for a, b in zip(at, at[1:])]
+        found = order, np.searchsorted(row_steps[order], np.arange(n_steps + 1))
+    entries = _StepRows(rows, *found)
     outside = np.flatnonzero(~_inside(rows, bounds).all(axis=0))
-    steps_outside = np.searchsorted(at, outside, "right") - 1        # the step of each row outside
-    failures = {s: exchange_outside(entries[s], bounds) for s in sorted(set(steps_outside.tolist()))}
+    failures = {s: exchange_outside(entries[s], bounds) for s in sorted(set(row_steps[outside].tolist()))}
     return entries, failures
+
+
+class _StepRows:
+    """Each step's exchange rows, ``entries[s]``: ``rows`` (tile order) gathered by ``order``
+    between ``at[s]`` and ``at[s + 1]`` when the step runs."""
+
+    def __init__(self, rows: np.ndarray, order: np.ndarray, at: np.ndarray):
+        self.rows, self.order, self.at = rows, order, at.tolist()
+
+    def __len__(self) -> int:
+        return len(self.at) - 1
+
+    def __getitem__(self, s: int) -> np.ndarray:
+        return self.rows[self.order[self.at[s]:self.at[s + 1]]]
 
 
 def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
