@@ -29,7 +29,7 @@ from ..engine.engine import PHASES, MissingBlob, phase
 from ..engine.errors import UserError
 from ..engine.files import write_atomic
 from ..engine.log import log, phase_finished, span
-from .estimator import Baseline, Estimator
+from .estimator import Baseline, Estimator, give_back_memory
 from .placement import initial_layouts
 from .planning.phases import OPS   # and registers the phases a candidate's evaluation runs
 from .planning.program import plans_of
@@ -193,6 +193,10 @@ def _evaluate_in_worker(attempt: int, proposal, layout: dict, forked: bool = Fal
              cycles=result.get("cycles", "invalid"), elapsed_ms=int((time.perf_counter() - t0) * 1000))
     if forked and w["engine"].store.remote is not None:   # [remote tier] this worker's counters, for the parent
         result["remote"] = w["engine"].store.remote.take()
+    if forked:
+        # a candidate frees gigabytes of arrays that the heap keeps otherwise: each further
+        # candidate then grew the worker (1.3 GB of free heap after two on ViT-B/16)
+        give_back_memory()
     return result
 
 
@@ -234,6 +238,7 @@ class Pool:
             # the incumbent's values (a gigabyte on ViT-B/16) are the workers' now: this process
             # only screens until the search ends, and then reads what it needs from the store
             _worker["engine"].forget_values()
+            give_back_memory()
 
     def _map_here(self, jobs: list[tuple]) -> list[dict]:
         if self.workers > 1 and self.executor is None:
