@@ -137,3 +137,33 @@ def test_a_steps_renumbered_transfers_are_memoised_by_the_array_not_its_address(
         assert step.digest[0] == canonical.digest(np.ascontiguousarray(renamed)) and np.array_equal(step.codes, codes)
         digests.add(step.digest[0])
     assert len(digests) == 39
+
+
+def test_a_replayed_operation_reads_in_place_casts_as_a_fresh_build_does(tmp_path):
+    """A cast stored in place writes over its input's buffer: an output where the read is a
+    stored block, a gathered copy where it is not. Moving a cast's producer changes which, so
+    the operations after it are taken from the kept build only where the kinds agree."""
+    text = (ROOT / "targets" / "vit_fp8.toml").read_text()
+    assert 'default = "separate"' in text
+    (tmp_path / "t.toml").write_text(text.replace('default = "separate"', 'default = "inplace"')
+                                     .replace('policy = "f143"', 'policy = "f143"\nfuse = ["attention_context"]', 1))
+    g = frontend.build_model(plugins.get_plugin_manager(), targets.load_target(str(tmp_path / "t.toml"))).graph
+    producer = g.producer()
+    base = default_layout(g, TILES)
+    resolver = PlanResolver(g, TILES)
+    build_program(g, base, TILES, resolver)
+    compared = 0
+    for cast in (op for op in g.ops if op.type == "cast"):
+        source = producer[cast.inputs[0]]
+        for move in (1, 3, 17):
+            layout = {"ops": {k: dict(v) for k, v in base["ops"].items()}}
+            choice = layout["ops"][str(source.id)]
+            choice["offset"] = (choice.get("offset", 0) + move) % TILES
+            try:
+                got = build_program(g, layout, TILES, resolver)
+            except UserError:
+                continue
+            assert program_blob(got) == program_blob(build_program(g, layout, TILES, PlanResolver(g, TILES))), \
+                (cast.name, move)
+            compared += 1
+    assert compared >= 6 and resolver.replayed > 0

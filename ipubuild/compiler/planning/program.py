@@ -289,7 +289,8 @@ class _State(NamedTuple):
 def _replay(base: "_Build", j: int, now: _State, gathered: list[str], value_keys: list) -> bool:
     """Append operation ``j`` of ``base`` to the build ``now`` (at the start of operation ``j``)
     as ``base`` made it, renumbered, if ``now`` holds what it reads as ``base`` did: the blocks
-    stored of each value it gathers (``gathered``) on the same tiles, in the same order, and the
+    stored of each value it gathers (``gathered``) on the same tiles, in the same order, in
+    buffers of the same kinds (a cast in place writes over a gathered copy or an output), and the
     constant and input blocks it made not made yet. Its buffers are then renumbered (its own
     from ``now``'s next number, the others by the blocks and constants they hold) and its steps
     moved to ``now``'s step count: the operation a fresh lowering makes, without the per-buffer
@@ -306,8 +307,11 @@ def _replay(base: "_Build", j: int, now: _State, gathered: list[str], value_keys
             (t0, b0), (t1, b1) = base.stored[vk].arrays(), now.stored[vk].arrays()
             if not (np.array_equal(t0[:count], t1) and np.array_equal(b0[:count], b1)):
                 return False
-            old.append(buffer_numbers(base.stored[vk].codes()[:count]))
-            new.append(buffer_numbers(now.stored[vk].codes()))
+            was, now_codes = base.stored[vk].codes()[:count], now.stored[vk].codes()
+            if not np.array_equal(was // 11 ** BUFFER_DIGITS, now_codes // 11 ** BUFFER_DIGITS):
+                return False                   # a block held by a gathered copy in one, an output in the other
+            old.append(buffer_numbers(was))
+            new.append(buffer_numbers(now_codes))
     for table, lo, hi, made in ((now.const_bufs, const0, const1, base.made("c")),
                                 (now.input_bufs, input0, input1, base.made("i"))):
         if any(key in table for key, _ in made[lo:hi]):
