@@ -52,7 +52,6 @@ def to_plan_json(value) -> bytes:
 
 BUFFER_KINDS = "cgio"       # constant, gathered, input, output: in the order of their letters
 _DIGITS = 8                 # a program's buffers are numbered below 10**8
-BUFFER_DIGITS = _DIGITS     # a buffer_code is its kind's index times 11**BUFFER_DIGITS, plus its digits
 
 
 def buffer_code(bid: str) -> int:
@@ -136,6 +135,12 @@ _FIRST = _codes_slowly(np.arange(10 ** _HALF, dtype=np.int64))    # n < 10**4: n
 # the code of exactly 4 digits (leading zeros too) as if in the first 4 of 4 places
 _LAST = sum((np.arange(10 ** _HALF, dtype=np.int64) // 10 ** (_HALF - 1 - q) % 10 + 1) * 11 ** (_HALF - 1 - q)
             for q in range(_HALF))
+
+
+def buffer_kinds(codes):
+    """The kind (an index into ``BUFFER_KINDS``) of each buffer given by its ``buffer_code``
+    (an array, or one int)."""
+    return codes // 11 ** _DIGITS
 
 
 def buffer_numbers(codes: np.ndarray) -> np.ndarray:

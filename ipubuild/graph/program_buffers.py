@@ -14,11 +14,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .artifacts import _DIGITS, BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_names
+from .artifacts import BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_kinds, buffer_names
 
 COLUMNS = ("tile", "code", "size", "start", "end", "value", "r0", "r1", "c0", "c1")
 TILE, CODE, SIZE, START, END, VALUE = range(6)
-_KIND_BASE = 11 ** _DIGITS              # a buffer_code is its kind times this, plus its digits
 
 #: the fields of a buffer as ``table_of_rows`` takes them (the value as a number, the kind as an
 #: index into ``BUFFER_KINDS``), before it has a name and a last step
@@ -126,7 +125,7 @@ class ProgramBuffers(Mapping):
     def _record(self, row: list) -> dict:
         _, code, size, start, end, value, r0, r1, c0, c1 = row
         vk, rec = self.value_keys[value], {"size": size, "start": start, "end": end}
-        kind = BUFFER_KINDS[code // _KIND_BASE]
+        kind = BUFFER_KINDS[buffer_kinds(code)]
         if kind == "c":
             rec.update(init=[vk, r0, r1, c0, c1], value=vk)
         elif kind == "i":

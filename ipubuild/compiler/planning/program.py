@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...engine.errors import UserError
-from ...graph.artifacts import (BUFFER_DIGITS, BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_names,
+from ...graph.artifacts import (BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_kinds, buffer_names,
                                 buffer_numbers, to_plan_blob)
 from ...graph.ir import Graph
 from ...graph.program_buffers import ROW_FIELDS, table_of_rows
@@ -58,10 +58,7 @@ class Blocks:
 
     def extend(self, tile_blocks, buf) -> None:
         """``add(tile, buf, blk)`` for each ``(tile, blk)``."""
-        for tile, blk in tile_blocks:
-            self.items.append((tile, buf, blk))
-            self._exact.setdefault((tile, blk), buf)
-        self._arr = self._tiles = self._grid = self._keys = None
+        self.add_all([(tile, buf, blk) for tile, blk in tile_blocks])
 
     def add_all(self, items: list) -> None:
         """``add(tile, buf, blk)`` for each ``(tile, buf, blk)`` (``blk`` a tuple)."""
@@ -308,13 +305,13 @@ def _replay(base: "_Build", j: int, now: _State, gathered: list[str], value_keys
             if not (np.array_equal(t0[:count], t1) and np.array_equal(b0[:count], b1)):
                 return False
             was, now_codes = base.stored[vk].codes()[:count], now.stored[vk].codes()
-            if not np.array_equal(was // 11 ** BUFFER_DIGITS, now_codes // 11 ** BUFFER_DIGITS):
+            if not np.array_equal(buffer_kinds(was), buffer_kinds(now_codes)):
                 return False                   # a block held by a gathered copy in one, an output in the other
             old.append(buffer_numbers(was))
             new.append(buffer_numbers(now_codes))
-    for table, lo, hi, made in ((now.const_bufs, const0, const1, base.made("c")),
-                                (now.input_bufs, input0, input1, base.made("i"))):
-        if any(key in table for key, _ in made[lo:hi]):
+    made_here = ((now.const_bufs, base.made("c")[const0:const1]), (now.input_bufs, base.made("i")[input0:input1]))
+    for table, made in made_here:
+        if any(key in table for key, _ in made):
             return False                       # made by an earlier operation now: read, not made
     shift = len(now.rows) // ROW_FIELDS - rows0
     uses0 = np.frombuffer(base.uses, np.int64)[base.use_ends[steps0 - 1] if steps0 else 0:base.use_ends[steps1 - 1]
@@ -345,7 +342,7 @@ def _replay(base: "_Build", j: int, now: _State, gathered: list[str], value_keys
 
     def recode(codes: np.ndarray) -> np.ndarray:
         codes = np.asarray(codes, np.int64)
-        return buffer_codes_of(codes // 11 ** BUFFER_DIGITS, renumber(buffer_numbers(codes)))
+        return buffer_codes_of(buffer_kinds(codes), renumber(buffer_numbers(codes)))
 
     step_shift = len(now.steps) - steps0
     made = table[rows0:rows1].copy()
@@ -370,9 +367,8 @@ def _replay(base: "_Build", j: int, now: _State, gathered: list[str], value_keys
         if items:
             numbers = renumber(buffer_numbers(base.stored[vk].codes()[counts0.get(vk, 0):count])).tolist()
             now.stored[vk].add_all([(tile, f"{bid[0]}{n}", blk) for (tile, bid, blk), n in zip(items, numbers)])
-    for table, lo, hi, made in ((now.const_bufs, const0, const1, base.made("c")),
-                                (now.input_bufs, input0, input1, base.made("i"))):
-        for key, (bid, n) in made[lo:hi]:
+    for table, made in made_here:
+        for key, (bid, n) in made:
             table[key] = (f"{bid[0]}{n + shift}", n + shift)
     return True
 
@@ -740,7 +736,6 @@ def vertices_of(program: dict, step: dict) -> dict[str, list]:
     """A step's vertices as ``{tile: [[kernel, args], ...]}`` (tiles that run none left out), a
     buffer argument as ``["b", buffer name, byte offset]``: for reading a program, not for
     passes over all of it."""
-    from ...graph.artifacts import buffer_numbers
     buffers = program["buffers"]["table"]
     names = buffer_names(buffers[:, 1])
     by_number = dict(zip(buffer_numbers(buffers[:, 1]).tolist(), names))
