@@ -351,9 +351,10 @@ def unexpected_tasks(kind: str, executed: list[str], target: str) -> list[str]:
         if task == f"build:{target}":
             return True
         if kind == "comment_edit":
-            return task == f"compile_kernels:{target}"
+            return task in (f"compile_kernels:{target}", f"compile_kernels_counted:{target}")
         if kind == "kernel_edit":
-            return task in {f"{p}:{target}" for p in ("compile_kernels", "link_kernels", "build_tile_images",
+            return task in {f"{p}:{target}" for p in ("compile_kernels", "compile_kernels_counted", "link_kernels",
+                                                       "build_tile_images",
                                                        "write_package", "run_device", "measure_kernels",
                                                        "check_numerics", "report_profile")}
         return True

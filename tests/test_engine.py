@@ -758,3 +758,33 @@ def test_every_declared_leaf_of_every_phase_moves_its_key_and_doit_signature(tmp
         for d in ph.config:
             assert ws.engine.action_key(ph, {}, _with_leaf(cfg, d, _other(config_subset(cfg, [d])[d]))) != base, (name, d)
     ws.store.close()
+
+
+# --- work left running: executors.run_phases(then=...) ---------------------------------------------
+
+def test_calls_started_behind_others_keep_running_and_are_not_run_twice(eng):
+    """``compile_kernels`` starts the counted builds behind its own compiles and returns without
+    them; they go on while the build does, and the later step that needs them waits for them
+    instead of compiling them again."""
+    import threading
+    from ipubuild.engine.executors import run_phases
+    name, slow = _name("upper"), _name("slow")
+    _register_upper(name)
+    release, entered = threading.Event(), threading.Event()
+
+    @phase(slow, inputs=("text",), outputs=("upper",))
+    def fn(ctx):
+        CALLS[slow] += 1
+        entered.set()
+        assert release.wait(10), "the test never let the call finish"
+        return {"upper": ctx.bytes("text").upper()}
+
+    texts = [eng.store.put(t) for t in (b"a", b"b")]
+    started = [(slow, {"text": d}, {}) for d in texts]
+    first = run_phases(eng, [(name, {"text": texts[0]}, {})], threads=2, then=started)
+    assert [eng.fetch(r.outputs["upper"]) for r in first] == [b"A{}"]      # returned while they run
+    assert entered.wait(10) and eng.store.get_action(eng.action_key(PHASES[slow], {"text": texts[0]}, {})) is None
+    release.set()
+    later = run_phases(eng, started, threads=2)
+    assert [eng.fetch(r.outputs["upper"]) for r in later] == [b"A", b"B"]
+    assert CALLS[slow] == 2 and not any(r.hit for r in later)   # each ran once, and these are those runs

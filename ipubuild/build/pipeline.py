@@ -43,6 +43,7 @@ class Step:
     config: dict = dataclasses.field(default_factory=dict)
     spans: tuple = ()            # enclosing log spans: (("build", {...}), ("phase", {...}))
     doc: str = ""
+    after: tuple = ()            # tasks (of the same name) doit runs first: an order, not an input
 
     @property
     def task_name(self) -> str:
@@ -59,7 +60,7 @@ class Step:
     def from_json(cls, d: dict) -> "Step":
         return cls(**dict(d, sources={k: Path(v) for k, v in d["sources"].items()},
                           files={k: Path(v) for k, v in d["files"].items()},
-                          spans=tuple((n, kv) for n, kv in d["spans"])))
+                          spans=tuple((n, kv) for n, kv in d["spans"]), after=tuple(d.get("after", ()))))
 
 
 class Workspace:

@@ -204,6 +204,7 @@ def task_of(root: Path, e: dict, entries: list, verbose: bool = True) -> dict:
         s, sig = e["step"], Signature(e["signature"])
         return {"basename": s["task"], "name": s["name"], "actions": [_run_step(root, e, entries, sig)],
                 "file_dep": e["file_dep"], "targets": e["targets"], "uptodate": [sig], "meta": e["meta"],
+                "task_dep": [f"{t}:{s['name']}" for t in s.get("after", ())],
                 "doc": e["doc"] or f"phase {s['phase']}", "clean": True, **v}
     if kind == "build":
         finish = Finish(root, e, entries)

@@ -42,6 +42,9 @@ SOURCE_SUFFIXES = (".c", ".h")
 COUNTER = KERNEL_DIR / "counter" / "block_counter.c"
 COUNTER_NAME = "ipu_block_counter.c"     # its name beside the kernel source in the scratch folder
 COUNT_FLAGS = "-fsanitize-coverage=trace-pc"
+#: the counted builds compile beside the link, the images and the package (``compile_kernels``),
+#: at a lower priority than the build's own thread, which would otherwise wait for a core
+COUNTED_NICE = 10
 
 #: the largest tile count whose kernels ``[profile] kernel_counts = "auto"`` counts: counting
 #: compiles every variant twice and runs the program a second time on one thread (vit_fp8, 64
@@ -69,9 +72,11 @@ def compiler() -> tuple[str, str]:
 COMPILER_CPU_SECONDS = 300
 
 
-def _cpu_limit(seconds: int = COMPILER_CPU_SECONDS):
+def _cpu_limit(seconds: int = COMPILER_CPU_SECONDS, nice: int = 0):
     def limit():                     # in the child, before exec; inherited by cc1, as and ld
         resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 5))
+        if nice:
+            os.nice(nice)
     return limit
 
 
@@ -195,10 +200,11 @@ def reserve(code: int, quantum: int) -> int:
 
 
 def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: str, defines: list, cc: str,
-                 cflags: str, extra: tuple[str, ...] = ()) -> tuple[int, bytes, str]:
+                 cflags: str, extra: tuple[str, ...] = (), nice: int = 0) -> tuple[int, bytes, str]:
     """Compile kernel ``name``'s source ``where`` (one of ``files``, ``{slot: bytes}``, with the
     files ``extra`` names beside it) in a scratch folder: ``(return code, object, diagnostics)``,
-    no object on failure; a compiler that cannot run raises a one-line error."""
+    no object on failure; a compiler that cannot run raises a one-line error. ``nice``: the
+    compiler's niceness increment (work that runs beside the build's own)."""
     with tempfile.TemporaryDirectory(prefix="ipubuild-cc-") as tmp:
         # the source and its headers at their slots' paths, so quoted includes resolve as beside
         # the real files; the compiler runs in the source's folder
@@ -211,7 +217,7 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
         cmd = [*shlex.split(cc), *shlex.split(cflags), *include, *[f"-D{k}={v}" for k, v in defines],
                "-o", str(Path(tmp) / "kernel.so"), source_name, *extra, "-lm"]
         try:
-            proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, preexec_fn=_cpu_limit())
+            proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, preexec_fn=_cpu_limit(nice=nice))
         except OSError as exc:
             raise UserError(f"kernel {name}", f"cannot run the C compiler {cc!r}: {exc.strerror}") from None
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) or "CPU time limit" in proc.stderr:
@@ -294,7 +300,7 @@ def compile_counted_kernel(ctx):
              **{name: ctx.engine.fetch(d) for name, d in ctx.family("header").items()},
              str(PurePosixPath(k["where"]).parent / COUNTER_NAME): ctx.bytes("counter")}
     code, obj, diagnostics = run_compiler(k["name"], k["source_name"], files, k["where"], k["defines"], c["cc"],
-                                          f"{c['cflags']} {COUNT_FLAGS}", extra=(COUNTER_NAME,))
+                                          f"{c['cflags']} {COUNT_FLAGS}", extra=(COUNTER_NAME,), nice=COUNTED_NICE)
     if code == 0:
         return {"object": obj, "note": b""}
     first = next((ln for ln in diagnostics.splitlines() if "error" in ln), f"exit status {code}").strip()
@@ -336,23 +342,21 @@ def compile_jobs(ctx) -> dict[str, tuple[dict, dict]]:
 
 
 @phase("compile_kernels", inputs=("graph", "source/*", "counter"),
-       outputs=("objects", "code_sizes", "reservations", "diagnostics", "counted_objects"),
+       outputs=("objects", "code_sizes", "reservations", "diagnostics"),
        config=("compiler", "kernel_quantum", "profile.kernel_counts", "target.tile_count"),
        hooks=("ipubuild_operators",))
 def compile_kernels(ctx):
     """Compile the kernel variants the target's graph can use; their objects (a family index),
     exact code sizes, reservations (the only part planning reads) and the compiler's warnings
     (``{"kernel <variant>: compiler diagnostics": text}``, shown again when this phase's result
-    comes from the cache: see ``ipubuild.tasks``); and each variant's counted build
-    (``{"objects": {variant: digest}, "notes": {variant: why it has none}}``), which only
-    ``measure_kernels`` reads (none when the target does not count them: ``counting``)."""
+    comes from the cache: see ``ipubuild.tasks``). Where the target counts its kernels
+    (``counting``), their counted builds are started behind them and left compiling while the
+    build goes on: ``compile_kernels_counted`` collects them."""
     jobs = compile_jobs(ctx)
     names = sorted(jobs)        # compiled concurrently here, or on a cluster
-    counted_jobs = [("compile_counted_kernel", {**jobs[n][0], "counter": ctx.digest("counter")}, jobs[n][1])
-                    for n in names] if counting(ctx.config) else []
     try:
-        results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names] + counted_jobs,
-                             threads=os.cpu_count() or 1)
+        results = run_phases(ctx.engine, [("compile_kernel", *jobs[n]) for n in names], threads=os.cpu_count() or 1,
+                             then=counted_calls(ctx, jobs) if counting(ctx.config) else ())
     except UserError as exc:        # every failed variant has finished: their diagnostics once per source
         raise report_failures(exc) from None
     quantum = ctx.config["kernel_quantum"]
@@ -373,13 +377,32 @@ def compile_kernels(ctx):
         warnings[what] = text
         cached = " (cached)" if set(variants) <= hits else ""
         log.diagnostics(f"{what}{cached}:\n{text}", once=(what, text))
+    return {"objects": canonical.dumps(objects), "code_sizes": canonical.dumps(sizes),
+            "reservations": canonical.dumps(reserved), "diagnostics": canonical.dumps(warnings)}
+
+
+def counted_calls(ctx, jobs: dict[str, tuple[dict, dict]]) -> list[tuple]:
+    """The ``compile_counted_kernel`` call of each of ``jobs`` (``compile_jobs``), by variant name."""
+    return [("compile_counted_kernel", {**jobs[n][0], "counter": ctx.digest("counter")}, jobs[n][1])
+            for n in sorted(jobs)]
+
+
+@phase("compile_kernels_counted", inputs=("graph", "source/*", "counter"), outputs=("counted_objects",),
+       config=("compiler", "profile.kernel_counts", "target.tile_count"), hooks=("ipubuild_operators",))
+def compile_kernels_counted(ctx):
+    """Each variant's counted build (``{"objects": {variant: digest}, "notes": {variant: why it
+    has none}}``), which only ``measure_kernels`` reads; none where the target does not count
+    its kernels (``counting``). The compiles ``compile_kernels`` started are waited for, not
+    run again; its build step runs after the device run, so that they compiled meanwhile."""
+    if not counting(ctx.config):
+        return {"counted_objects": canonical.dumps({"objects": {}, "notes": {}})}
+    jobs = compile_jobs(ctx)
+    results = run_phases(ctx.engine, counted_calls(ctx, jobs), threads=os.cpu_count() or 1)
     counted, notes = {}, {}
-    for name, r in zip(names, results[len(names):]):
+    for name, r in zip(sorted(jobs), results):
         note = ctx.engine.fetch(r.outputs["note"]).decode()
         if note:
             notes[name] = note
         else:
             counted[name] = r.outputs["object"]
-    return {"objects": canonical.dumps(objects), "code_sizes": canonical.dumps(sizes),
-            "reservations": canonical.dumps(reserved), "diagnostics": canonical.dumps(warnings),
-            "counted_objects": canonical.dumps({"objects": counted, "notes": notes})}
+    return {"counted_objects": canonical.dumps({"objects": counted, "notes": notes})}

@@ -19,6 +19,7 @@ import concurrent.futures
 import importlib
 import os
 import re
+import threading
 
 from .engine import PHASES, MissingBlob, Result
 from .errors import UserError
@@ -70,30 +71,72 @@ def cluster():
     return importlib.import_module(CLUSTER).connect(address)
 
 
-def run_phases(engine, calls: list[tuple], *, threads: int | None = None) -> list[Result]:
+def run_phases(engine, calls: list[tuple], *, threads: int | None = None, then: list[tuple] = ()) -> list[Result]:
     """Run independent phase calls ``[(phase, inputs, config)]``; their results in call order.
 
     Calls the action cache already answers are answered here. The others run on the cluster if
     one is set, else here: one after the other, stopping at the first failure (``threads``
     None), or on up to ``threads`` threads (then every call finishes and the first failure in
-    call order is raised)."""
+    call order is raised). A call started earlier by ``then`` and still running is waited for,
+    not run twice.
+
+    ``then``: calls queued on the same threads behind ``calls`` and left running when this
+    returns (not on a cluster, nor without ``threads``): a later ``run_phases`` of the same call
+    takes its result. ``compile_kernels`` starts the counted builds so, and they compile while
+    the build goes on to the link, the images and the package."""
     if scheduler() is not None and any(_misses(engine, calls)):
         remote = cluster()
         if remote is not None:
             return remote.run_phases(engine, calls)
     if threads is None:
-        return [engine.run(name, inputs, config) for name, inputs, config in calls]
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(len(calls), threads))) as pool:
-        futures = [pool.submit(engine.run, name, inputs, config) for name, inputs, config in calls]
-        results, failure = [], None
-        for fut in futures:
-            try:
-                results.append(fut.result())
-            except (UserError, MissingBlob) as exc:
-                failure = failure or exc
+        return [_started(engine, c) or engine.run(*c) for c in calls]
+    pool = _pool(threads)
+    futures = [_started(engine, c, future=True) or pool.submit(engine.run, *c) for c in calls]
+    if then and scheduler() is None:
+        for c in then:
+            key = _key(engine, c)
+            with _lock:
+                if key not in _running:
+                    _running[key] = pool.submit(engine.run, *c)
+    results, failure = [], None
+    for fut in futures:
+        try:
+            results.append(fut.result())
+        except (UserError, MissingBlob) as exc:
+            failure = failure or exc
     if failure is not None:
         raise failure
     return results
+
+
+_threads: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_running: dict[str, concurrent.futures.Future] = {}     # action key -> a call ``then`` started
+_lock = threading.Lock()
+
+
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+    """This process's pool of ``threads`` threads (kept: calls ``then`` starts outlive the call)."""
+    with _lock:
+        if threads not in _threads:
+            _threads[threads] = concurrent.futures.ThreadPoolExecutor(max(1, threads),
+                                                                      thread_name_prefix="ipubuild-phase")
+        return _threads[threads]
+
+
+def _key(engine, call: tuple) -> str:
+    name, inputs, config = call
+    return engine.action_key(PHASES[name], inputs, config)
+
+
+def _started(engine, call: tuple, future: bool = False):
+    """The result of ``call`` if ``then`` started it (its future, with ``future``), else None."""
+    if not _running:
+        return None
+    with _lock:
+        fut = _running.pop(_key(engine, call), None)
+    if fut is None or future:
+        return fut
+    return fut.result()
 
 
 def _misses(engine, calls):
