@@ -231,6 +231,7 @@ class Pool:
         gigabytes at scale that the workers would inherit and never use (forked workers all start
         at the first job)."""
         if self.workers > 1 and self.executor is None and executors.scheduler() is None:
+            executors.settle()      # the counted kernel builds compile_kernels left running
             self.executor = concurrent.futures.ProcessPoolExecutor(
                 max_workers=self.workers, mp_context=multiprocessing.get_context("fork"),
                 initializer=_worker_started)

@@ -123,6 +123,23 @@ def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
         return _threads[threads]
 
 
+def settle() -> None:
+    """Wait until every call ``then`` started has finished (its result stays to be taken): before
+    forking, so that no child inherits a lock a running call held."""
+    with _lock:
+        running = list(_running.values())
+    concurrent.futures.wait(running)
+
+
+def _forked() -> None:
+    """In a forked child the pools' threads do not exist: it starts its own."""
+    _threads.clear()
+    _running.clear()
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 def _key(engine, call: tuple) -> str:
     name, inputs, config = call
     return engine.action_key(PHASES[name], inputs, config)
