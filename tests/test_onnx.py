@@ -285,7 +285,7 @@ def _scale_weights(path: Path, factor: float) -> None:
 
 PLANNING = {"plan_package", "place_provisional_storage", "schedule_provisional_exchanges", "plan_kernels",
             "place_storage", "lower_exchanges", "optimize_exchange_placement", "compile_kernels", "link_runtime",
-            "size_tile_code", "compile_runtime"}
+            "size_tile_code", "compile_runtime", "compile_kernels_counted"}
 
 
 @pytest.mark.slow
