@@ -235,7 +235,8 @@ def test_the_same_package_on_two_workers_and_they_did_the_work(two, reference, t
     assert on_workers and not re.search(r"evaluated local candidate (?!.*worker=)", run.stderr)
     assert two.cpu_seconds() - cpu0 > 0.5
     events = [e for e in trace_events(tree) if e["name"].startswith("worker:")]
-    assert {e["name"] for e in events} == {"worker:compile_kernel", "worker:build_tile_image", "worker:candidate"}
+    assert {e["name"] for e in events} == {"worker:compile_kernel", "worker:compile_counted_kernel",
+                                           "worker:build_tile_image", "worker:candidate"}
     assert sum(float(e["args"]["cpu_seconds"]) for e in events) > 0.2
     # a rebuild is a no-op that does not even import distributed
     assert _noop_imports(tree, two) == []

@@ -97,7 +97,7 @@ def run_phases(engine, calls: list[tuple], *, threads: int | None = None, then: 
             key = _key(engine, c)
             with _lock:
                 if key not in _running:
-                    _running[key] = pool.submit(engine.run, *c)
+                    _running[key] = (pool.submit(engine.run, *c), engine)
     results, failure = [], None
     for fut in futures:
         try:
@@ -110,7 +110,9 @@ def run_phases(engine, calls: list[tuple], *, threads: int | None = None, then: 
 
 
 _threads: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
-_running: dict[str, concurrent.futures.Future] = {}     # action key -> a call ``then`` started
+#: (engine's id, action key) -> (the future of a call ``then`` started, the engine: held, so that
+#: its id is not reused); a call is taken only by its own engine, whose store holds its outputs
+_running: dict[tuple, tuple] = {}
 _lock = threading.Lock()
 
 
@@ -127,7 +129,7 @@ def settle() -> None:
     """Wait until every call ``then`` started has finished (its result stays to be taken): before
     forking, so that no child inherits a lock a running call held."""
     with _lock:
-        running = list(_running.values())
+        running = [fut for fut, _ in _running.values()]
     concurrent.futures.wait(running)
 
 
@@ -140,9 +142,9 @@ def _forked() -> None:
 os.register_at_fork(after_in_child=_forked)
 
 
-def _key(engine, call: tuple) -> str:
+def _key(engine, call: tuple) -> tuple:
     name, inputs, config = call
-    return engine.action_key(PHASES[name], inputs, config)
+    return id(engine), engine.action_key(PHASES[name], inputs, config)
 
 
 def _started(engine, call: tuple, future: bool = False):
@@ -150,7 +152,7 @@ def _started(engine, call: tuple, future: bool = False):
     if not _running:
         return None
     with _lock:
-        fut = _running.pop(_key(engine, call), None)
+        fut, _ = _running.pop(_key(engine, call), (None, None))
     if fut is None or future:
         return fut
     return fut.result()

@@ -13,6 +13,7 @@ import ast
 import functools
 import hashlib
 import importlib.util
+import threading
 from pathlib import Path
 
 from .files import StatMemo
@@ -55,9 +56,17 @@ def strip_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
+#: one ``ast.parse`` at a time: CPython 3.11's parser counts its recursion depth per interpreter,
+#: and two threads parsing at once fail with "AST constructor recursion depth mismatch" (phases
+#: run on threads: ``executors.run_phases``)
+_parsing = threading.Lock()
+
+
 def _analyse(path: str) -> list:
     """``[digest of the comment- and docstring-free syntax tree, [(level, module, names)]]``."""
-    tree = ast.parse(Path(path).read_bytes(), filename=path)
+    source = Path(path).read_bytes()
+    with _parsing:
+        tree = ast.parse(source, filename=path)
     imports = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
