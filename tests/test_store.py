@@ -341,3 +341,35 @@ def test_concurrent_writers_processes(tmp_path):
         assert len(s.blobs) == N_WORKERS * N_ITEMS + 1
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("code", [8, 14])   # SQLITE_READONLY, SQLITE_CANTOPEN
+def test_a_writable_cache_that_sqlite_briefly_calls_read_only_keeps_what_is_written(
+        tmp_path, monkeypatch, code):
+    """Under load, a process opening the index while others set it up can be told "read-only"
+    or "cannot open" (CI saw it): the folder is writable, so the store waits and opens it for
+    writing instead of keeping this build's results in memory and losing them."""
+    import diskcache
+    root = tmp_path / "cache"
+    Store(root).close()
+    real, refusals = diskcache.Cache, []
+
+    def flaky(*args, **kwargs):
+        if len(refusals) < 2:
+            exc = sqlite3.OperationalError("attempt to write a readonly database")
+            exc.sqlite_errorcode = code
+            refusals.append(exc)
+            raise exc
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(diskcache, "Cache", flaky)
+    s = Store(root)
+    key = s.put(b"kept across processes")
+    s.close()
+    assert len(refusals) == 2
+    monkeypatch.setattr(diskcache, "Cache", real)
+    again = Store(root)
+    try:
+        assert again.get(key) == b"kept across processes"
+    finally:
+        again.close()

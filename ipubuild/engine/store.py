@@ -106,6 +106,7 @@ def _is_read_only_error(exc: Exception) -> bool:
 
 
 _read_only_said = False
+_OPEN_ATTEMPTS = 8      # about 2.5 s of waiting in all for a transient "read-only" index
 
 
 class Store:
@@ -145,14 +146,23 @@ class Store:
             settings = dict(size_limit=2**62, eviction_policy="none", cull_limit=0)
         if _read_only(path):
             return self._open_read_only(name)
-        for attempt in (1, 2):
+        healed = False
+        for attempt in range(_OPEN_ATTEMPTS):
             try:
                 return diskcache.Cache(str(path), **settings)
             except (sqlite3.DatabaseError, OSError) as exc:
-                if attempt == 1 and self._heal(name, exc):
+                if not healed and self._heal(name, exc):
+                    healed = True
                     continue
                 if _is_read_only_error(exc):
-                    return self._open_read_only(name)
+                    if _read_only(path) or getattr(exc, "errno", None) == errno.EROFS:
+                        return self._open_read_only(name)
+                    # sqlite says read-only or cannot-open, but the folder may be written: another
+                    # process is setting up the index or its WAL files (seen with concurrent
+                    # openers under load); wait and try again rather than drop this build's writes
+                    if attempt + 1 < _OPEN_ATTEMPTS:
+                        time.sleep(0.02 * 2 ** attempt)
+                        continue
                 raise self._error(name, exc) from None
 
     def _open_read_only(self, name: str):
