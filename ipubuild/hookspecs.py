@@ -161,6 +161,10 @@ def ipubuild_device_backends():
     block ``[r0:r1, c0:c1]`` stored row-major at ``address`` on ``tile`` — and returns the
     values read in ``DeviceRun.values`` by name. Without that argument, only graph outputs are
     compared.
+
+    A backend may also have ``prepare()``, which readies what its runs need (the simulator
+    compiles its C helpers): a build calls it once a process, in a background thread, when it
+    starts running phases of a target on that device. Its errors are ignored; ``run`` meets them.
     """
 
 

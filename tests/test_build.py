@@ -58,6 +58,34 @@ def test_build_passes_and_profile_equals_cost_model(tmp_path, monkeypatch):
     assert (tree / "artifacts" / "small" / "small.ipuexe").stat().st_size > 0
 
 
+def test_the_build_readies_the_device_on_a_thread_of_its_own_before_it_runs(tmp_path, monkeypatch):
+    """A build's first phase starts the device's optional ``prepare()`` (the simulator compiles
+    its C helpers there on a new machine) in the background, so that the device run does not
+    wait for a compiler."""
+    import threading
+
+    from ipubuild.builtin.simulator import Simulator
+    seen = []
+    real_prepare, real_run = Simulator.prepare, Simulator.run
+
+    def prepare(self):
+        seen.append(("prepare", threading.current_thread().name))
+        real_prepare(self)
+
+    def run(self, *args, **kwargs):
+        seen.append(("run", threading.current_thread().name))
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(Simulator, "prepare", prepare)
+    monkeypatch.setattr(Simulator, "run", run)
+    tree = small_tree(tmp_path)
+    monkeypatch.chdir(tree)
+    out = build_in_process(tree, "targets/small.toml")
+    assert canonical.loads(Workspace.at(tree).engine.fetch(out["small/verdict"]))["pass"]
+    assert [what for what, _ in seen] == ["prepare", "run"], seen
+    assert seen[0][1].startswith("ipubuild-background") and seen[1][1] != seen[0][1]
+
+
 @pytest.fixture(params=["C", "numpy"])
 def exchange_form(request, monkeypatch):
     """Each exchange test runs on the simulator's C copier and on its numpy form."""

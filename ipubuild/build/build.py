@@ -187,8 +187,9 @@ def build_in_process(root, target_file) -> dict:
     try:
         ws = Workspace.at(root)
         target = load_target(os.path.relpath(Path(target_file).resolve(), ws.root), root=ws.root)
-        out = {}
-        for step in all_steps(target, ws.root):
+        out, steps = {}, list(all_steps(target, ws.root))
+        ws.register(steps)
+        for step in steps:
             result = ws.execute(step)
             out.update({a: result.outputs[s] for s, a in step.outputs.items()})
         return out

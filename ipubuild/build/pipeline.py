@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import threading
 from pathlib import Path
 
-from ..engine import fingerprint
+from ..engine import executors, fingerprint
 from ..engine.engine import Engine, MissingBlob, Result
 from ..engine.errors import UserError
 from ..engine.files import read_recorded, tree_memo, write_if_changed
@@ -177,6 +178,8 @@ class Workspace:
     def _execute(self, step: Step, force: bool, depth: int) -> Result:
         if depth > len(self.producers) + 1:
             raise UserError(step.task_name, "its inputs could not be rebuilt; see the warnings above")
+        if not self.executed:
+            self._prepare_devices()
         self.executed += 1
         inputs = {slot: self.digest_of(a, depth) for slot, a in step.inputs.items()}
         for slot, path in step.sources.items():
@@ -201,6 +204,14 @@ class Workspace:
                 if producer is not None and not self.engine.available(inputs[slot]):
                     self._execute(producer, True, depth + 1)
             return self._execute(step, True, depth + 1)
+
+    def _prepare_devices(self) -> None:
+        """Let the devices this build runs on ready themselves (the simulator compiles its C
+        helpers on a new machine) while the phases before them run."""
+        names = [s.config.get("target", {}).get("device") for s in self.producers.values()
+                 if s.phase == "run_device"]
+        if any(names):
+            executors.background(functools.partial(_prepare_devices, [n for n in names if n]))
 
     def _write_outputs(self, step: Step, result: Result) -> None:
         for slot, artifact in step.outputs.items():
@@ -228,3 +239,7 @@ class Workspace:
         write_if_changed(path, self.engine.fetch(digest))
         return True
 
+
+def _prepare_devices(names: list[str]) -> None:
+    from ..device.device import prepare
+    prepare(names)

@@ -22,7 +22,7 @@ P = ctypes.c_void_p
 I64 = ctypes.c_int64
 
 
-def library():
+def library(nice: int = 0):
     """The compiled copier (a ctypes library), or None (no compiler, or switched off)."""
     return native.library("sim_exchange", SOURCE, {
         "xc_check": (I64, [I64, P, P, I64, I64]),
@@ -31,7 +31,7 @@ def library():
         "xc_scatter": (None, [I64, P, P, I64, P, P]),
         "xc_inside": (None, [I64, P, I64, I64, P, P, P]),
         "xc_order_by_step": (None, [I64, P, I64, P, P])},
-        switch="IPUBUILD_NATIVE_SIM_EXCHANGE")
+        switch="IPUBUILD_NATIVE_SIM_EXCHANGE", nice=nice)
 
 
 def copy_phase(memory: np.ndarray, row_of: np.ndarray, entries: np.ndarray):

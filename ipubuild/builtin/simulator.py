@@ -60,6 +60,13 @@ RETURN_CODES = {1: "invalid arguments", 2: "no scratch memory", 3: "a buffer out
 class Simulator:
     name = "ipumodel"
 
+    def prepare(self) -> None:
+        """Compile the C helpers the runs use (once per source and compiler on a machine), at low
+        priority: the build calls this in the background while the phases before the device run."""
+        from ..compiler.planning.native import BACKGROUND_NICE
+        exchange_copy.library(nice=BACKGROUND_NICE)
+        vertex_runner.library(nice=BACKGROUND_NICE)
+
     def run(self, package: bytes, inputs: dict, workdir: Path, probes: dict | None = None) -> DeviceRun:
         """Run the package; with ``probes`` (``ipubuild_device_backends``), also read back the
         values each step wrote."""

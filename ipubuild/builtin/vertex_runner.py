@@ -19,11 +19,11 @@ P = ctypes.c_void_p
 I64 = ctypes.c_int64
 
 
-def library():
+def library(nice: int = 0):
     """The compiled loop (a ctypes library), or None (no compiler, or switched off)."""
     return native.library("sim_vertices", SOURCE, {"vr_run": (I64, [I64, I64, P, P, P, P]),
                                                     "vr_count": (None, [I64, P, P, P, P, P])},
-                          switch="IPUBUILD_NATIVE_SIM_VERTICES")
+                          switch="IPUBUILD_NATIVE_SIM_VERTICES", nice=nice)
 
 
 def run(fns: np.ndarray, mems: np.ndarray, args: np.ndarray, start: int) -> tuple[int, int] | None:

@@ -60,6 +60,16 @@ def backends() -> dict:
                                         "a dict of device names to backend factories", mapping=True)
 
 
+def prepare(names) -> None:
+    """Ready the named devices' backends (their optional ``prepare()``); unknown names and
+    broken plugins are left for ``run_device`` to report."""
+    found = backends()
+    for name in sorted(set(names) & set(found)):
+        backend = found[name]()
+        if callable(getattr(backend, "prepare", None)):
+            backend.prepare()
+
+
 def reads_back(backend) -> bool:
     """Whether a backend's ``run`` takes ``probes`` (reads back operations' outputs)."""
     try:

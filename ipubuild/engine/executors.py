@@ -16,6 +16,7 @@ is unreachable or lost costs one warning; the rest of the build runs here.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
 import os
 import re
@@ -109,34 +110,50 @@ def run_phases(engine, calls: list[tuple], *, threads: int | None = None, then: 
     return results
 
 
-_threads: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+_threads: dict[tuple, concurrent.futures.ThreadPoolExecutor] = {}
 #: (engine's id, action key) -> (the future of a call ``then`` started, the engine: held, so that
 #: its id is not reused); a call is taken only by its own engine, whose store holds its outputs
 _running: dict[tuple, tuple] = {}
+_background: list[concurrent.futures.Future] = []
 _lock = threading.Lock()
 
 
-def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
+def _pool(threads: int, name: str = "ipubuild-phase") -> concurrent.futures.ThreadPoolExecutor:
     """This process's pool of ``threads`` threads (kept: calls ``then`` starts outlive the call)."""
     with _lock:
-        if threads not in _threads:
-            _threads[threads] = concurrent.futures.ThreadPoolExecutor(max(1, threads),
-                                                                      thread_name_prefix="ipubuild-phase")
-        return _threads[threads]
+        if (name, threads) not in _threads:
+            _threads[name, threads] = concurrent.futures.ThreadPoolExecutor(max(1, threads),
+                                                                            thread_name_prefix=name)
+        return _threads[name, threads]
+
+
+def background(fn) -> None:
+    """Run ``fn()`` on a thread of its own, beside the build; its errors are ignored (work done
+    ahead of time, such as compiling a helper, that its user does again if it failed)."""
+    def quiet():
+        with contextlib.suppress(Exception):
+            fn()
+    future = _pool(1, "ipubuild-background").submit(quiet)
+    with _lock:
+        _background.append(future)
 
 
 def settle() -> None:
-    """Wait until every call ``then`` started has finished (its result stays to be taken): before
-    forking, so that no child inherits a lock a running call held."""
+    """Wait until every call ``then`` started, and every ``background`` call, has finished (a
+    call's result stays to be taken): before forking, so that no child inherits a lock a running
+    call held."""
     with _lock:
-        running = [fut for fut, _ in _running.values()]
+        running = [fut for fut, _ in _running.values()] + _background
     concurrent.futures.wait(running)
+    with _lock:
+        _background[:] = [fut for fut in _background if not fut.done()]
 
 
 def _forked() -> None:
     """In a forked child the pools' threads do not exist: it starts its own."""
     _threads.clear()
     _running.clear()
+    _background.clear()
 
 
 os.register_at_fork(after_in_child=_forked)

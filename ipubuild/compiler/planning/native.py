@@ -16,29 +16,41 @@ import os
 import shlex
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
+BACKGROUND_NICE = 10     # the compiler's niceness increment for a library made ahead of its use
+
 _loaded: dict = {}
+_compiling: dict[str, threading.Lock] = {}    # one compile of a library at a time in a process
+os.register_at_fork(after_in_child=_compiling.clear)
 
 
-def library(name: str, source: str, functions: dict, switch: str | None = None):
+def library(name: str, source: str, functions: dict, switch: str | None = None, nice: int = 0):
     """The library compiled from ``source`` with ``functions`` (``{name: (restype, argtypes)}``)
-    typed, or None (no working compiler, or switched off)."""
+    typed, or None (no working compiler, or switched off). ``nice``: the compiler's niceness
+    increment, if it must run (a library made ahead of its use, beside other work)."""
     if os.environ.get("IPUBUILD_NATIVE", "1") == "0" or (switch and os.environ.get(switch, "1") == "0"):
         return None
     if name not in _loaded:
-        try:
-            lib = _compile(name, source)
-            for fn, (restype, argtypes) in functions.items():
-                getattr(lib, fn).restype = restype
-                getattr(lib, fn).argtypes = argtypes
-            _loaded[name] = lib
-        except (OSError, subprocess.SubprocessError, ValueError, AttributeError):
-            _loaded[name] = None
+        with _compiling.setdefault(name, threading.Lock()):
+            if name not in _loaded:
+                _loaded[name] = _typed(name, source, functions, nice)
     return _loaded[name]
 
 
-def _compile(name: str, source: str):
+def _typed(name: str, source: str, functions: dict, nice: int):
+    try:
+        lib = _compile(name, source, nice)
+        for fn, (restype, argtypes) in functions.items():
+            getattr(lib, fn).restype = restype
+            getattr(lib, fn).argtypes = argtypes
+        return lib
+    except (OSError, subprocess.SubprocessError, ValueError, AttributeError):
+        return None
+
+
+def _compile(name: str, source: str, nice: int = 0):
     from ..kernels import compiler
     cc, cflags = compiler()
     raw = source.encode()
@@ -55,7 +67,8 @@ def _compile(name: str, source: str):
         src.write_bytes(raw)
         try:
             subprocess.run([*shlex.split(cc), *shlex.split(cflags), "-fPIC", "-shared", "-o", str(tmp), str(src)],
-                           check=True, capture_output=True, timeout=120)
+                           check=True, capture_output=True, timeout=120,
+                           preexec_fn=(lambda: os.nice(nice)) if nice else None)
             os.replace(tmp, path)
         finally:
             src.unlink(missing_ok=True)
