@@ -115,6 +115,16 @@ def test_the_page_carries_the_charts_data(built):
     sizes_top = [e["bytes"] for e in x["top"]]
     assert sizes_top == sorted(sizes_top, reverse=True) and sizes_top[0] > 0
     assert x["steps"][0]["bytes"] == max(x["bytes_per_step"])
+    # plans: a row per operation of the planned graph, in its order; a matmul's is its tile grid
+    graph, layout = _art(ws, "plan_graph"), _art(ws, "layout")
+    assert [r[0] for r in d["plans"]] == [op[2] for op in graph["ops"]]
+    grids = [r for r in d["plans"] if r[1] == "matmul"]
+    assert grids and '<table id="plan-table">' in page
+    for name, _, plan, tiles, first in grids:
+        m, n, k = map(int, re.fullmatch(r"(\d+) × (\d+) × (\d+) grid \(rows × columns × K-slices.*\)", plan).groups())
+        op_id = next(op[0] for op in graph["ops"] if op[2] == name)
+        assert tiles == m * n * k <= 16 and first == layout["ops"][str(op_id)]["offset"]
+        assert f"<td>{name}</td><td>matmul</td><td>{plan}</td>" in page
     # kernels: the measured kernel profile, a row per variant with its estimate and its count
     kernels = _art(ws, "kernel_profile")
     assert d["kernels"] == kernels and kernels["kernels"] and not kernels["notes"]
@@ -296,7 +306,7 @@ def _fake_data(h: dict) -> dict:
             "heatmap": h, "memory": {"base": 0, "end": 16, "kinds": list(KINDS), "tiles": []},
             "search": {"initial_cycles": 10, "history": []},
             "exchanges": {"total_bytes": 0, "bytes_per_step": [0] * n, "count": 0, "steps": [], "top": []},
-            "kernels": {"kernels": {}, "notes": [], "measure": ""}}
+            "kernels": {"kernels": {}, "notes": [], "measure": ""}, "plans": []}
 
 
 # --- in a real browser ---------------------------------------------------------------------------

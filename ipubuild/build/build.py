@@ -158,7 +158,7 @@ def target_steps(target: dict, root: Path, compiler_cfg: dict) -> list[Step]:
         step("report_profile", "report_profile",
              {"profile": a("profile"), "cost": a("cost"), "program": a("program"), "storage": a("storage"),
               "code_sizes": a("code_sizes"), "machine": machine, "search": a("search"),
-              "kernel_profile": a("kernel_profile")},
+              "kernel_profile": a("kernel_profile"), "graph": a("plan_graph"), "layout": a("layout")},
              {"report": a("report")}, files={"report": out / f"{t}.profile.html"},
              doc="draw the device profile as one HTML page"),
     ]

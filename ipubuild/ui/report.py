@@ -211,10 +211,54 @@ def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return rows, inverse.ravel()
 
 
+def plan_rows(graph: dict, layout: dict, tile_count: int) -> list[list]:
+    """Each operation's plan in ``layout``, as the page lists it: ``[operation, type, plan, tiles,
+    first tile]``. A matmul's grid reads rows × columns × K-slices; a plan that follows its
+    producer's blocks names the producer (its tiles are the producer's)."""
+    from ..graph.ir import Graph
+    from ..graph.operators import registry
+    g = Graph.from_json(graph)
+    reg, producer, rows = registry(), g.producer(), []
+    for op in g.ops:
+        choice = layout["ops"][str(op.id)]
+        plan = reg.get(op.type).plans(g, op, tile_count)[choice["plan"]]
+        if "follow" in plan:
+            source = producer.get(op.inputs[plan["follow"]])
+            rows.append([op.name, op.type, f"follows {source.name if source else 'its input'}'s blocks", "", ""])
+        else:
+            rows.append([op.name, op.type, describe_plan(plan), plan_tiles(plan), choice["offset"]])
+    return rows
+
+
+def describe_plan(plan: dict) -> str:
+    """A plan in a few words: ``2 × 32 × 1 grid (rows × columns × K-slices)`` for a matmul's, else
+    its scalar settings (``rows 64``)."""
+    if {"m", "n", "k"} <= set(plan):
+        aligned = ", 32-column aligned" if plan.get("aligned") else ""
+        return f"{plan['m']} × {plan['n']} × {plan['k']} grid (rows × columns × K-slices{aligned})"
+    return ", ".join(f"{k} {v}" for k, v in sorted(plan.items()) if isinstance(v, (int, str)) and not isinstance(v, bool)) \
+        or _compact(plan)
+
+
+def plan_tiles(plan: dict):
+    """The tiles a plan spans, where the plan says it (a grid, or a count of rows or patches)."""
+    if {"m", "n", "k"} <= set(plan):
+        return plan["m"] * plan["n"] * plan["k"]
+    counts = [v for k, v in plan.items() if k in ("rows", "patches", "tiles") and isinstance(v, int)]
+    return counts[0] if counts else ""
+
+
+def _compact(plan: dict, limit: int = 60) -> str:
+    text = json.dumps(plan, sort_keys=True, separators=(",", ":"))
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def report_data(name: str, device: str, profile: dict, cost: dict, program: dict, storage: dict,
-                code_sizes: dict, machine: dict, search: dict, kernel_profile: dict | None = None) -> dict:
+                code_sizes: dict, machine: dict, search: dict, kernel_profile: dict | None = None,
+                plans: list | None = None) -> dict:
     """Everything the report page shows (canonical JSON values only). Steps come from the device's
-    profile; from the cost model (without per-tile compute) if the device reports only totals."""
+    profile; from the cost model (without per-tile compute) if the device reports only totals.
+    ``plans``: ``plan_rows``."""
     measured = has_steps(profile)
     steps = profile["steps"] if measured else [
         {"name": s["name"], "exchange": s["exchange"], "slowest": s["compute"], "sync": s["sync"], "compute": {}}
@@ -229,17 +273,19 @@ def report_data(name: str, device: str, profile: dict, cost: dict, program: dict
         "search": {"initial_cycles": search["initial_cycles"], "history": search["history"],
                    "heuristics": search.get("heuristics", {})},
         "exchanges": top_exchanges(program),
-        "kernels": kernel_profile or {"kernels": {}, "notes": [], "measure": ""}}
+        "kernels": kernel_profile or {"kernels": {}, "notes": [], "measure": ""},
+        "plans": plans or []}
 
 
 @phase("report_profile", inputs=("profile", "cost", "program", "storage", "code_sizes", "machine", "search",
-                                 "kernel_profile"),
-       outputs=("report",), config=("name", "target.device"))
+                                 "kernel_profile", "graph", "layout"),
+       outputs=("report",), config=("name", "target.device", "target.tile_count"), hooks=("ipubuild_operators",))
 def report_profile(ctx):
     """The profile as one self-contained HTML page (``<target>.profile.html``)."""
+    plans = plan_rows(ctx.json("graph"), ctx.json("layout"), ctx.config["target"]["tile_count"])
     data = report_data(ctx.config["name"], ctx.config["target"]["device"], ctx.json("profile"), ctx.json("cost"),
                        ctx.json("program"), ctx.json("storage"), ctx.json("code_sizes"), machine_of(ctx),
-                       ctx.json("search"), ctx.json("kernel_profile"))
+                       ctx.json("search"), ctx.json("kernel_profile"), plans)
     return {"report": render(data).encode()}
 
 

@@ -68,6 +68,19 @@ def _exchanges(d: dict) -> str:
     return _table(["rank", "step", "from tile", "to tile", "value", "bytes"], rows, {0, 2, 3, 5}, "exchange-table")
 
 
+def _plans(d: dict) -> str:
+    return _table(["operation", "type", "plan", "tiles", "first tile"], d.get("plans", []), {3, 4}, "plan-table")
+
+
+def _plans_note(d: dict) -> str:
+    grids = [r for r in d.get("plans", []) if "grid" in r[2]]
+    if not d.get("plans"):
+        return "This build recorded no plans."
+    return (f"The plan the search left each of the {len(d['plans'])} operations on, in program order. "
+            f"{len(grids)} run on a grid of tiles: rows × columns × K-slices of their output and of the "
+            "sum over K (each K-slice's partial sums are added in a second step).")
+
+
 def _kernels(d: dict) -> str:
     kinds = d["kernels"]["kernels"]
     rows = []
@@ -174,6 +187,8 @@ bytes that data and exchange buffers use at different times. Free: bytes no buff
 <h3>The {FULLEST_TILES} fullest tiles (bytes)</h3>{_fullest_tiles(d)}</section>
 <section id="kernels"><h2>Kernels: estimated and measured</h2>
 <p class="note">{_kernels_note(d)}</p>{_kernels(d)}</section>
+<section id="plans"><h2>Plans</h2>
+<p class="note">{_plans_note(d)}</p>{_plans(d)}</section>
 <section id="search"><h2>Search convergence</h2>
 <p class="note">{html.escape(_search_note(d))}</p>
 <div id="search-chart" class="chart"></div></section>
