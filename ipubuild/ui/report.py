@@ -231,11 +231,14 @@ def plan_rows(graph: dict, layout: dict, tile_count: int) -> list[list]:
 
 
 def describe_plan(plan: dict) -> str:
-    """A plan in a few words: ``2 × 32 × 1 grid (rows × columns × K-slices)`` for a matmul's, else
-    its scalar settings (``rows 64``)."""
+    """A plan in a few words: ``2 × 32 × 1 grid (rows × columns × K-slices)`` for a matmul's,
+    ``64 row blocks`` for a row-wise one's, else its scalar settings."""
     if {"m", "n", "k"} <= set(plan):
         aligned = ", 32-column aligned" if plan.get("aligned") else ""
         return f"{plan['m']} × {plan['n']} × {plan['k']} grid (rows × columns × K-slices{aligned})"
+    if set(plan) in ({"rows"}, {"patches"}):
+        (key, count), = plan.items()
+        return f"{count} {'row blocks' if key == 'rows' else 'runs of patches'}"
     return ", ".join(f"{k} {v}" for k, v in sorted(plan.items()) if isinstance(v, (int, str)) and not isinstance(v, bool)) \
         or _compact(plan)
 
