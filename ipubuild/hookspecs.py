@@ -162,9 +162,11 @@ def ipubuild_device_backends():
     values read in ``DeviceRun.values`` by name. Without that argument, only graph outputs are
     compared.
 
-    A backend may also have ``prepare()``, which readies what its runs need (the simulator
-    compiles its C helpers): a build calls it once a process, in a background thread, when it
-    starts running phases of a target on that device. Its errors are ignored; ``run`` meets them.
+    A backend class (the factory) may also define ``prepare()``, which readies what its runs
+    need (the simulator compiles its C helpers): as a build starts running a target's phases,
+    it calls ``factory().prepare()`` for the target's device on a background thread, so it
+    may be called more than once and must be idempotent. Its errors are ignored (``run`` meets
+    them); the layout search waits for it before it forks its workers, so it should be quick.
     """
 
 

@@ -80,6 +80,7 @@ class Workspace:
         self.digests = tree_memo(self.root)
         self.producers: dict[str, Step] = {}
         self.executed = 0
+        self._prepared: set[str] = set()     # the targets whose device was asked to get ready
         self._plugins = None
         fingerprint.use_memo(self.cache / "fingerprints.json")
 
@@ -178,8 +179,7 @@ class Workspace:
     def _execute(self, step: Step, force: bool, depth: int) -> Result:
         if depth > len(self.producers) + 1:
             raise UserError(step.task_name, "its inputs could not be rebuilt; see the warnings above")
-        if not self.executed:
-            self._prepare_devices()
+        self._prepare_device(step)
         self.executed += 1
         inputs = {slot: self.digest_of(a, depth) for slot, a in step.inputs.items()}
         for slot, path in step.sources.items():
@@ -205,13 +205,18 @@ class Workspace:
                     self._execute(producer, True, depth + 1)
             return self._execute(step, True, depth + 1)
 
-    def _prepare_devices(self) -> None:
-        """Let the devices this build runs on ready themselves (the simulator compiles its C
-        helpers on a new machine) while the phases before them run."""
-        names = [s.config.get("target", {}).get("device") for s in self.producers.values()
-                 if s.phase == "run_device"]
-        if any(names):
-            executors.background(functools.partial(_prepare_devices, [n for n in names if n]))
+    def _prepare_device(self, step: Step) -> None:
+        """As a target's first phase runs here, let the device it runs on ready itself (the
+        simulator compiles its C helpers on a new machine) while the phases before it run."""
+        target = next((a.partition("/")[0] for a in step.outputs.values() if "/" in a), None)
+        if target is None or target in self._prepared:
+            return
+        self._prepared.add(target)
+        device = next((s.config.get("target", {}).get("device") for s in self.producers.values()
+                       if s.phase == "run_device" and any(a.startswith(f"{target}/") for a in s.outputs.values())),
+                      None)
+        if device:
+            executors.background(functools.partial(_ready_device, device))
 
     def _write_outputs(self, step: Step, result: Result) -> None:
         for slot, artifact in step.outputs.items():
@@ -240,6 +245,6 @@ class Workspace:
         return True
 
 
-def _prepare_devices(names: list[str]) -> None:
+def _ready_device(name: str) -> None:
     from ..device.device import prepare
-    prepare(names)
+    prepare(name)

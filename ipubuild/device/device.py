@@ -60,14 +60,13 @@ def backends() -> dict:
                                         "a dict of device names to backend factories", mapping=True)
 
 
-def prepare(names) -> None:
-    """Ready the named devices' backends (their optional ``prepare()``); unknown names and
-    broken plugins are left for ``run_device`` to report."""
-    found = backends()
-    for name in sorted(set(names) & set(found)):
-        backend = found[name]()
-        if callable(getattr(backend, "prepare", None)):
-            backend.prepare()
+def prepare(name: str) -> None:
+    """Ready a device's backend, if its factory (the backend's class) has a ``prepare`` method:
+    ``factory().prepare()``. An unknown name or a broken plugin is left for ``run_device`` to
+    report."""
+    factory = backends().get(name)
+    if callable(getattr(factory, "prepare", None)):
+        factory().prepare()
 
 
 def reads_back(backend) -> bool:

@@ -110,43 +110,54 @@ def run_phases(engine, calls: list[tuple], *, threads: int | None = None, then: 
     return results
 
 
-_threads: dict[tuple, concurrent.futures.ThreadPoolExecutor] = {}
+_threads: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
 #: (engine's id, action key) -> (the future of a call ``then`` started, the engine: held, so that
 #: its id is not reused); a call is taken only by its own engine, whose store holds its outputs
 _running: dict[tuple, tuple] = {}
-_background: list[concurrent.futures.Future] = []
+_background: list[threading.Thread] = []
+SETTLE_SAY_AFTER_S = 30
 _lock = threading.Lock()
 
 
-def _pool(threads: int, name: str = "ipubuild-phase") -> concurrent.futures.ThreadPoolExecutor:
+def _pool(threads: int) -> concurrent.futures.ThreadPoolExecutor:
     """This process's pool of ``threads`` threads (kept: calls ``then`` starts outlive the call)."""
     with _lock:
-        if (name, threads) not in _threads:
-            _threads[name, threads] = concurrent.futures.ThreadPoolExecutor(max(1, threads),
-                                                                            thread_name_prefix=name)
-        return _threads[name, threads]
+        if threads not in _threads:
+            _threads[threads] = concurrent.futures.ThreadPoolExecutor(max(1, threads),
+                                                                      thread_name_prefix="ipubuild-phase")
+        return _threads[threads]
 
 
 def background(fn) -> None:
-    """Run ``fn()`` on a thread of its own, beside the build; its errors are ignored (work done
-    ahead of time, such as compiling a helper, that its user does again if it failed)."""
+    """Run ``fn()`` on a daemon thread of its own, beside the build (a process that ends does not
+    wait for it); its errors are ignored: work done ahead of time, such as compiling a helper,
+    that its user does again if it failed."""
     def quiet():
         with contextlib.suppress(Exception):
             fn()
-    future = _pool(1, "ipubuild-background").submit(quiet)
+    thread = threading.Thread(target=quiet, name="ipubuild-background", daemon=True)
     with _lock:
-        _background.append(future)
+        _background.append(thread)
+    thread.start()
 
 
 def settle() -> None:
     """Wait until every call ``then`` started, and every ``background`` call, has finished (a
     call's result stays to be taken): before forking, so that no child inherits a lock a running
-    call held."""
+    call held. Says so if background work keeps it waiting."""
     with _lock:
-        running = [fut for fut, _ in _running.values()] + _background
+        running = [fut for fut, _ in _running.values()]
+        threads = list(_background)
     concurrent.futures.wait(running)
+    for t in threads:
+        t.join(SETTLE_SAY_AFTER_S)
+        if t.is_alive():
+            from .log import log
+            log.warning("waiting for work started in the background (a device backend's prepare()) "
+                        "before forking")
+            t.join()
     with _lock:
-        _background[:] = [fut for fut in _background if not fut.done()]
+        _background[:] = [t for t in _background if t.is_alive()]
 
 
 def _forked() -> None:

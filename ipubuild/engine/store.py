@@ -155,14 +155,15 @@ class Store:
                     healed = True
                     continue
                 if _is_read_only_error(exc):
-                    if _read_only(path) or getattr(exc, "errno", None) == errno.EROFS:
-                        return self._open_read_only(name)
-                    # sqlite says read-only or cannot-open, but the folder may be written: another
-                    # process is setting up the index or its WAL files (seen with concurrent
-                    # openers under load); wait and try again rather than drop this build's writes
-                    if attempt + 1 < _OPEN_ATTEMPTS:
+                    # sqlite says read-only or cannot-open of an index in a folder that may be
+                    # written: another process may be setting up the index or its WAL files (seen
+                    # with concurrent openers under load); try again for a while before keeping
+                    # this build's writes in memory only
+                    if (isinstance(exc, sqlite3.DatabaseError) and not _read_only(path)
+                            and attempt + 1 < _OPEN_ATTEMPTS):
                         time.sleep(0.02 * 2 ** attempt)
                         continue
+                    return self._open_read_only(name)
                 raise self._error(name, exc) from None
 
     def _open_read_only(self, name: str):

@@ -8,6 +8,7 @@ Nothing is loaded from anywhere else. ``render`` is deterministic: same data, sa
 from __future__ import annotations
 
 import html
+import re
 
 from ..engine import canonical
 
@@ -73,7 +74,7 @@ def _plans(d: dict) -> str:
 
 
 def _plans_note(d: dict) -> str:
-    grids = [r for r in d.get("plans", []) if "grid" in r[2]]
+    grids = [r for r in d.get("plans", []) if re.match(r"\d+ × \d+ × \d+ grid", r[2])]
     if not d.get("plans"):
         return "This build recorded no plans."
     return (f"The plan the search left each of the {len(d['plans'])} operations on, in program order. "

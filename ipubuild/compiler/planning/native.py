@@ -14,6 +14,7 @@ import functools
 import hashlib
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 import threading
@@ -66,9 +67,10 @@ def _compile(name: str, source: str, nice: int = 0):
         src = folder / f".{name}-{key}.{os.getpid()}.c"
         src.write_bytes(raw)
         try:
-            subprocess.run([*shlex.split(cc), *shlex.split(cflags), "-fPIC", "-shared", "-o", str(tmp), str(src)],
-                           check=True, capture_output=True, timeout=120,
-                           preexec_fn=(lambda: os.nice(nice)) if nice else None)
+            # niced by nice(1), not a preexec_fn: this may run on a thread beside others
+            niced = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
+            subprocess.run([*niced, *shlex.split(cc), *shlex.split(cflags), "-fPIC", "-shared", "-o", str(tmp), str(src)],
+                           check=True, capture_output=True, timeout=120)
             os.replace(tmp, path)
         finally:
             src.unlink(missing_ok=True)
