@@ -80,7 +80,7 @@ class Workspace:
         self.digests = tree_memo(self.root)
         self.producers: dict[str, Step] = {}
         self.executed = 0
-        self._prepared: set[str] = set()     # the targets whose device was asked to get ready
+        self._prepared: set[str] = set()     # the step names (targets) whose device was asked to get ready
         self._plugins = None
         fingerprint.use_memo(self.cache / "fingerprints.json")
 
@@ -207,14 +207,13 @@ class Workspace:
 
     def _prepare_device(self, step: Step) -> None:
         """As a target's first phase runs here, let the device it runs on ready itself (the
-        simulator compiles its C helpers on a new machine) while the phases before it run."""
-        target = next((a.partition("/")[0] for a in step.outputs.values() if "/" in a), None)
-        if target is None or target in self._prepared:
+        simulator compiles its C helpers on a new machine) while the phases before it run. A
+        target's steps share its name (their doit names are ``<task>:<target>``)."""
+        if step.name in self._prepared:
             return
-        self._prepared.add(target)
+        self._prepared.add(step.name)
         device = next((s.config.get("target", {}).get("device") for s in self.producers.values()
-                       if s.phase == "run_device" and any(a.startswith(f"{target}/") for a in s.outputs.values())),
-                      None)
+                       if s.phase == "run_device" and s.name == step.name), None)
         if device:
             executors.background(functools.partial(_ready_device, device))
 

@@ -215,13 +215,13 @@ def plan_rows(graph: dict, layout: dict, tile_count: int) -> list[list]:
     """Each operation's plan in ``layout``, as the page lists it: ``[operation, type, plan, tiles,
     first tile]``. A matmul's grid reads rows × columns × K-slices; a plan that follows its
     producer's blocks names the producer (its tiles are the producer's)."""
+    from ..compiler.planning.program import plans_of
     from ..graph.ir import Graph
-    from ..graph.operators import registry
     g = Graph.from_json(graph)
-    reg, producer, rows = registry(), g.producer(), []
+    plans, producer, rows = plans_of(g, tile_count), g.producer(), []
     for op in g.ops:
         choice = layout["ops"][str(op.id)]
-        plan = reg.get(op.type).plans(g, op, tile_count)[choice["plan"]]
+        plan = plans[op.id][choice["plan"]]
         if "follow" in plan:
             source = producer.get(op.inputs[plan["follow"]])
             rows.append([op.name, op.type, f"follows {source.name if source else 'its input'}'s blocks", "", ""])
