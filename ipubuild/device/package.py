@@ -317,15 +317,15 @@ def _orjson_dumps(value) -> bytes:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
 
 
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 _JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.S)
 
 
 def _nesting(raw: bytes) -> int:
     """How deep the brackets of JSON text nest outside its strings, without parsing it."""
-    text = np.frombuffer(_JSON_STRING.sub(b"", raw), np.uint8)
-    opens = (text == ord("[")) | (text == ord("{"))
-    closes = (text == ord("]")) | (text == ord("}"))
-    return int(np.cumsum(opens.astype(np.int64) - closes).max(initial=0))
+    brackets = np.frombuffer(_JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), np.uint8)
+    steps = np.where((brackets == ord("[")) | (brackets == ord("{")), 1, -1)
+    return int(np.cumsum(steps).max(initial=0))
 
 
 def _align(x: int, a: int = 16) -> int:
@@ -366,11 +366,13 @@ def write_package(manifest: dict, members: dict[str, bytes]) -> bytes:
 class Package:
     """A validated package: its manifest, and verified member bytes by name or digest.
 
-    ``images`` maps each tile image's digest to ``(header, {array name: bytes})``.
+    ``images`` maps each tile image's digest to ``(header, {array name: bytes})``; the data
+    segments' arrays (``data@<address>``) are memoryviews of the package's bytes, not copies.
     """
 
     def __init__(self, data: bytes, where: str = "package"):
         self.data, self.where = data, where
+        self._data_view = memoryview(data)
         self.manifest = self._check()
 
     def _fail(self, message: str):
@@ -427,11 +429,12 @@ class Package:
         self._check_machine(m)
         used = self._check_tiles(m)
         host = self._check_host(m)
-        self.images, self._senders = {}, {}
+        self.images, self._senders, self._data_digests = {}, {}, []
         self.decoded: dict[str, tuple] = {}     # image digest -> (decoded program, exchange table)
         for digest in sorted(set(m["tile_images"])):
             self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
                                               host["run"]["phases"])
+        self._check_digests(self._data_digests)
         for t, digest in enumerate(m["tile_images"]):   # an image in its own tile's slot
             senders = self._senders.get(digest, set())
             if senders and senders != {t}:
@@ -461,13 +464,23 @@ class Package:
         for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
             if b0 < a1:
                 self._fail(f"members {an} and {bn} overlap")
-        view = memoryview(d)
-        # hashlib lets go of the GIL on large buffers: a ViT-B/16 package's 426 MB in two threads
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            found = pool.map(lambda span: canonical.digest(view[span[0]:span[0] + span[1]]), self.by_name.values())
-            for (name, (_, _, digest)), got in zip(self.by_name.items(), found):
-                if got != digest:
-                    self._fail(f"bad checksum of member {name}")
+        self._check_digests([(self._view(name), digest, f"bad checksum of member {name}")
+                             for name, (_, _, digest) in self.by_name.items()])
+
+    def _check_digests(self, expected: list) -> None:
+        """Each ``(bytes, digest, message)``: fails with the first message whose bytes do not hash
+        to their digest. hashlib lets go of the GIL on large buffers, so two threads hash them (a
+        ViT-B/16 package's 426 MB), each a half of the bytes (a task per item would cost more than
+        hashing the small ones)."""
+        sizes = np.cumsum([len(item[0]) for item in expected])
+        half = int(np.searchsorted(sizes, sizes[-1] / 2)) + 1 if len(expected) else 0
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            later = pool.submit(lambda: [canonical.digest(item[0]) for item in expected[half:]])
+            found = [canonical.digest(item[0]) for item in expected[:half]]
+            found += later.result()
+        for (_, digest, message), got in zip(expected, found):
+            if got != digest:
+                self._fail(message)
 
     def _check_machine(self, m: dict) -> None:
         mc = m["machine"]
@@ -518,15 +531,17 @@ class Package:
         """A tile image's header and arrays; ``used`` (the loaded tiles) unless it is the idle
         image: then it must also carry a program and an exchange table for ``phases`` phases."""
         what = f"tile image {digest[:16]}"
-        blob = self.member(self.by_digest[digest])
+        blob = self._view(self.by_digest[digest])
         if len(blob) < 4 or 4 + struct.unpack_from("<I", blob)[0] > len(blob):
             self._fail(f"{what} is malformed: truncated")
         base = 4 + struct.unpack_from("<I", blob)[0]
         arrays, pos = {}, base
-        for name, _, (length,), off, size in self._document(blob[4:base], IMAGE_ARRAYS, f"{what} array table", True):
+        for name, _, (length,), off, size in self._document(bytes(blob[4:base]), IMAGE_ARRAYS, f"{what} array table",
+                                                            True):
             if (arrays and name <= next(reversed(arrays))) or length != size or base + off != pos:
                 self._fail(f"{what} is malformed: array {name} is out of order or place")
-            arrays[name], pos = blob[pos:pos + size], pos + size
+            part = blob[pos:pos + size]       # data (most of a package's bytes) not copied
+            arrays[name], pos = part if name.startswith("data@") else bytes(part), pos + size
         if pos != len(blob) or "header" not in arrays:
             self._fail(f"{what} is malformed: its arrays do not fill it or lack the header")
         header = self._document(arrays.pop("header"), TILE_IMAGE, what, True)
@@ -567,9 +582,13 @@ class Package:
                 self._fail(f"{what} has two {kind} segments at {addr}" if kind == "data"
                            else f"{what} has two {kind} segments")
             blobs.add(key)
-            if key not in arrays or canonical.digest(arrays[key]) != sd:
+            if key not in arrays:
                 self._fail(f"bad checksum of the {kind} segment of {what}" if kind != "data"
                            else f"bad checksum of data segment {name} of {what}")
+            if kind == "data":      # no later check reads data: hashed with every image's at the end
+                self._data_digests.append((arrays[key], sd, f"bad checksum of data segment {name} of {what}"))
+            elif canonical.digest(arrays[key]) != sd:
+                self._fail(f"bad checksum of the {kind} segment of {what}")
             if len(arrays[key]) != size:
                 self._fail(f"{kind} segment {name} of {what} holds {len(arrays[key])} bytes, not {size}")
         if set(arrays) != blobs:
@@ -642,6 +661,11 @@ class Package:
     def member(self, name: str) -> bytes:
         off, size, digest = self.by_name[name]
         return self.data[off:off + size]
+
+    def _view(self, name: str) -> memoryview:
+        """A member's bytes without a copy."""
+        off, size, digest = self.by_name[name]
+        return self._data_view[off:off + size]
 
     def tile_image(self, tile: int) -> tuple[dict, dict]:
         return self.images[self.manifest["tile_images"][tile]]
