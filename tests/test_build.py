@@ -202,6 +202,34 @@ def test_the_c_copier_does_what_the_numpy_form_does(monkeypatch):
     assert outcomes == {True, False}          # both kinds of phase were met
 
 
+def test_the_c_copier_on_two_threads_does_what_it_does_on_one(monkeypatch):
+    """Random phases over many tiles, some writing a byte twice, copied in two halves on a
+    thread pool (every phase, whatever its size): the same memory after, or the same error."""
+    from concurrent.futures import ThreadPoolExecutor
+    from ipubuild.builtin import exchange_copy
+    if exchange_copy.library() is None:
+        pytest.fail("the simulator's exchange copier does not compile here")
+    monkeypatch.setenv("IPUBUILD_NATIVE_SIM_EXCHANGE", "1")
+    monkeypatch.setattr(exchange_copy, "PARALLEL_BYTES", 0)
+    rng = np.random.default_rng(11)
+    outcomes = set()
+    with ThreadPoolExecutor(1) as pool:
+        for trial in range(200):
+            memory, row_of = tile_memory(*(rng.integers(0, 256, 512, dtype=np.uint8) for _ in range(6)))
+            entries = _random_phase(rng, 6, 512, int(rng.integers(1, 12)))
+            results = []
+            for threads in (None, pool):
+                mem = memory.copy()
+                try:
+                    run_exchange(mem, row_of, entries, threads)
+                    results.append(("done", mem.tobytes()))
+                except UserError as exc:
+                    results.append((str(exc), mem.tobytes()))
+            assert results[0] == results[1], entries
+            outcomes.add(results[0][0] == "done")
+    assert outcomes == {True, False}          # both kinds of phase were met
+
+
 def test_the_c_copier_tells_tiles_apart_past_255_destinations(monkeypatch):
     """The copier marks each destination tile's bytes with a count that wraps at 255: 600 tiles
     each written at the same addresses is no double write, a second write on the last tile is."""

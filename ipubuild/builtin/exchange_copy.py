@@ -34,12 +34,19 @@ def library(nice: int = 0):
         switch="IPUBUILD_NATIVE_SIM_EXCHANGE", nice=nice)
 
 
-def copy_phase(memory: np.ndarray, row_of: np.ndarray, entries: np.ndarray):
+#: a phase moving fewer bytes is copied on one thread (handing work to a second costs more)
+PARALLEL_BYTES = 4 << 20
+
+
+def copy_phase(memory: np.ndarray, row_of: np.ndarray, entries: np.ndarray, pool=None):
     """Perform the phase ``entries`` (``[n, 8]``: ``src_tile, src_addr, src_stride, dst_tile,
     dst_addr, dst_stride, rows, row_bytes``) over ``memory`` (one C-contiguous row of bytes per
     loaded tile). Returns None when done, ``("range", i)`` when the source of entry ``i``
     (``i < n``) or the destination of entry ``i - n`` is out of range, ``("overlap", -1)`` when two entries write one
-    byte (memory untouched in both cases), or False when the C form is not available."""
+    byte (memory untouched in both cases), or False when the C form is not available. With a
+    ``pool`` (a thread pool), a phase of ``PARALLEL_BYTES`` or more is copied in two halves at
+    once (the C calls let go of the GIL): the reads, then the destination tiles' checks, then the
+    writes, each half of the entries (or tiles) on its own thread."""
     lib = library()
     if lib is None or not memory.flags.c_contiguous or memory.dtype != np.uint8:
         return False
@@ -51,15 +58,35 @@ def copy_phase(memory: np.ndarray, row_of: np.ndarray, entries: np.ndarray):
     if bad >= 0:
         return ("range", int(bad))
     live = (e[:, 6] > 0) & (e[:, 7] > 0)
-    nbytes = np.where(live, e[:, 6] * e[:, 7], 0)
-    stage = np.empty(max(1, int(nbytes.sum())), np.uint8)
-    lib.xc_gather(n, c(e), c(rows_of), size, c(memory), c(stage))
-    # the destinations tile by tile (entries in order within a tile), each tile's bytes stamped
-    order = np.ascontiguousarray(np.argsort(e[:, 3], kind="stable"), dtype=np.int64)
-    stamp = np.zeros(size, np.uint8)
-    if lib.xc_overlap(n, c(e), c(order), size, c(stamp)) >= 0:
+    ends = np.cumsum(np.where(live, e[:, 6] * e[:, 7], 0))        # where each entry's staged rows end
+    total = int(ends[-1]) if n else 0
+    stage = np.empty(max(1, total), np.uint8)
+    order = np.ascontiguousarray(np.argsort(e[:, 3], kind="stable"), dtype=np.int64)   # by destination tile
+    halves = [(0, n)]
+    if pool is not None and total >= PARALLEL_BYTES:
+        cut = int(np.searchsorted(ends, total // 2))
+        halves = [(0, cut), (cut, n)]
+        tiles = e[order, 3]                   # the checks split where a destination tile begins
+        at = int(np.searchsorted(tiles, tiles[min(cut, n - 1)]))
+        tile_halves = [(0, at), (at, n)]
+    else:
+        tile_halves = halves
+
+    def both(work, parts):
+        """``work(lo, hi)`` on each part, the second on the pool; their results."""
+        later = pool.submit(work, *parts[1]) if len(parts) > 1 else None
+        return [work(*parts[0])] + ([later.result()] if later else [])
+
+    def staged(lo):
+        return c(stage) + (int(ends[lo - 1]) if lo else 0)
+
+    both(lambda lo, hi: lib.xc_gather(hi - lo, c(e) + 64 * lo, c(rows_of), size, c(memory), staged(lo)), halves)
+    stamps = {lo: np.zeros(size, np.uint8) for lo, _ in tile_halves}     # one a thread, alive through the calls
+    overlap = both(lambda lo, hi: lib.xc_overlap(hi - lo, c(e), c(order) + 8 * lo, size, c(stamps[lo])),
+                   tile_halves)
+    if max(overlap) >= 0:
         return ("overlap", -1)
-    lib.xc_scatter(n, c(e), c(rows_of), size, c(memory), c(stage))
+    both(lambda lo, hi: lib.xc_scatter(hi - lo, c(e) + 64 * lo, c(rows_of), size, c(memory), staged(lo)), halves)
     return None
 
 

@@ -112,7 +112,7 @@ class Simulator:
                     failures.append({"kind": "exchange", "step": s, "name": names[s], **f})
                     (log.warning if len(failures) == 1 else log.info)(
                         "exchange outside data memory", step=s, name=names[s], reason=repr(f["reason"]))
-                run_exchange(memory, row_of, plan.entries[s])
+                run_exchange(memory, row_of, plan.entries[s], pool)
                 for f in plan.execute(s, pool):
                     failures.append({"kind": "vertex", "step": s, "name": names[s], **f})
                     # the first on the console, the rest in the log (the profile counts them all)
@@ -448,17 +448,17 @@ class _StepRows:
         return self.rows[self.order[self.at[s]:self.at[s + 1]]]
 
 
-def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries) -> None:
+def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries, pool=None) -> None:
     """Perform one exchange phase over ``memory`` (one row per loaded tile; ``row_of[tile]`` is
     its row, -1 if it is not loaded): each entry ``[src_tile, src_addr, src_stride, dst_tile,
     dst_addr, dst_stride, rows, row_bytes]`` copies ``rows`` rows of ``row_bytes`` bytes. All
     reads happen before any write (the exchange is a phase, not a sequence of copies); two
     entries that write the same byte make the package corrupt. A list may hold broadcasts
-    (``unicast``)."""
+    (``unicast``). With a thread ``pool``, a large phase is copied on two threads."""
     e = entries if isinstance(entries, np.ndarray) else unicast(entries)
     if not len(e):
         return
-    done = exchange_copy.copy_phase(memory, row_of, e)
+    done = exchange_copy.copy_phase(memory, row_of, e, pool)
     if done is False:
         done = _copy_phase(memory, row_of, e)
     if done is None:
