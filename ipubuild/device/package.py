@@ -328,6 +328,24 @@ def _nesting(raw: bytes) -> int:
     return int(np.cumsum(steps).max(initial=0))
 
 
+#: exchange rows the reader checks at once (``Package._check_exchanges``): enough to amortise
+#: numpy's calls over a few hundred small tables, few enough to stay in the processor's caches
+CHECK_ROWS = 1 << 16
+
+
+def _chunks(tables: list, limit: int):
+    """``[(digest, (steps, rows, entry)), ...]`` in runs of at most ``limit`` rows (or one table)."""
+    run, size = [], 0
+    for item in tables:
+        if run and size + len(item[1][1]) > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += len(item[1][1])
+    if run:
+        yield run
+
+
 def _align(x: int, a: int = 16) -> int:
     return -(-x // a) * a
 
@@ -434,12 +452,15 @@ class Package:
         for digest in sorted(set(m["tile_images"])):
             self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
                                               host["run"]["phases"])
+        self._check_programs(host["run"]["phases"])
+        self._check_exchanges(m, used, host["run"]["phases"])
         self._check_digests(self._data_digests)
         for t, digest in enumerate(m["tile_images"]):   # an image in its own tile's slot
-            senders = self._senders.get(digest, set())
-            if senders and senders != {t}:
+            senders = self._senders.get(digest)
+            if senders is not None and senders != (t, t):
+                sent = self.decoded[digest][1][1][:, 0]
                 self._fail(f"tile {t} holds tile image {digest[:16]}, whose exchange table sends from tile "
-                           f"{min(senders - {t})}: the tile table does not put each image in its tile's slot")
+                           f"{int(sent[sent != t].min())}: the tile table does not put each image in its tile's slot")
         for side in ("inputs", "outputs"):
             self._check_bindings(m, side, used)
         return m
@@ -551,10 +572,8 @@ class Package:
             if kinds.count("program") != 1 or kinds.count("exchange") != 1:
                 self._fail(f"{what} is loaded on a tile but lacks its program or exchange table")
             kernels = {s[1] for s in header["segments"] if s[0] == "kernel"}
-            program = self._check_program(what, arrays["program"], kernels, phases)
-            table = self._check_exchange(m, what, arrays["exchange"], used, phases)
-            self._senders[digest] = set(table[1][:, 0].tolist())
-            self.decoded[digest] = (program, table)
+            self.decoded[digest] = (self._decode_program(what, arrays["program"], kernels),
+                                    self._decode_exchange(what, arrays["exchange"]))
         return header, arrays
 
     def _check_segments(self, m: dict, what: str, segments: list, arrays: dict) -> None:
@@ -594,8 +613,9 @@ class Package:
         if set(arrays) != blobs:
             self._fail(f"{what} has arrays no segment places: {', '.join(sorted(set(arrays) - blobs))}")
 
-    def _check_program(self, what: str, raw: bytes, kernels: set, phases: int) -> tuple:
-        """The program, decoded (``codegen.decode_program_arrays``), once checked."""
+    def _decode_program(self, what: str, raw: bytes, kernels: set) -> tuple:
+        """The program (``codegen.decode_program_arrays``), its kernels checked; its steps and
+        kernel indices are checked with every image's (``_check_programs``)."""
         try:
             names, steps, vertex_kernels, starts, args = codegen.decode_program_arrays(raw)
         except (ValueError, struct.error):      # a program that decodes is exactly its bytes
@@ -603,6 +623,31 @@ class Package:
         for name in names:
             if name not in kernels:
                 self._fail(f"the program of {what} calls kernel {_show(name)} the image does not hold")
+        return names, steps, vertex_kernels, starts, args
+
+    def _check_programs(self, phases: int) -> None:
+        """Every decoded program's steps in order and within ``phases``, and its kernel indices
+        within its kernel list: over all of them at once (a check per image cost ViT-B/16's 1,472
+        images more than their decoding), then the first image that fails is checked alone for
+        its message."""
+        programs = [program for program, _ in self.decoded.values()]
+        if not programs:
+            return
+        order = np.concatenate([steps[:, 0] for _, steps, *_ in programs])
+        starts = np.cumsum([0] + [len(steps) for _, steps, *_ in programs[:-1]])
+        before = np.concatenate([[-1], order[:-1]])
+        before[starts[starts < len(order)]] = -1
+        bad_step = (order >= phases) | (order <= before)
+        kernels = np.concatenate([vk for _, _, vk, *_ in programs])
+        limit = np.repeat([len(names) for names, *_ in programs], [len(vk) for _, _, vk, *_ in programs])
+        if not bad_step.any() and not (kernels >= limit).any():
+            return
+        for (digest, (program, _)) in self.decoded.items():
+            self._check_program(f"tile image {digest[:16]}", program, phases)
+        raise AssertionError("a program failed the joint check but not its own")
+
+    def _check_program(self, what: str, program: tuple, phases: int) -> None:
+        names, steps, vertex_kernels, starts, args = program
         order = steps[:, 0]
         bad = (order >= phases) | (np.diff(order, prepend=-1) <= 0)
         if bad.any():
@@ -612,31 +657,56 @@ class Package:
         if past.any():
             step = int(order[np.searchsorted(steps[:, 2], np.argmax(past), "right")])
             self._fail(f"the program of {what} calls a kernel index past its kernel list at step {step}")
-        return names, steps, vertex_kernels, starts, args
 
-    def _check_exchange(self, m: dict, what: str, raw: bytes, used: set, phases: int):
-        """The exchange table, decoded (``codegen.decode_exchange_rows``: each entry's step, its
-        destinations as rows and each row's entry), once checked. Decoding reads every word of
-        the table as it was written, so a table that decodes is exactly its bytes."""
+    def _decode_exchange(self, what: str, raw: bytes):
+        """The exchange table (``codegen.decode_exchange_rows``: each entry's step, its
+        destinations as rows and each row's entry); checked with every image's
+        (``_check_exchanges``). Decoding reads every word of the table as it was written, so a
+        table that decodes is exactly its bytes."""
         try:
-            steps, rows, entry = codegen.decode_exchange_rows(raw)
+            return codegen.decode_exchange_rows(raw)
         except (ValueError, struct.error):
             self._fail(f"the exchange table of {what} does not decode")
+
+    def _outside(self, m: dict, rows: np.ndarray, used: set) -> np.ndarray:
+        """Whether each row leaves the loaded tiles or their memory."""
         mc = m["machine"]
         lo, hi = mc["sram_base"], mc["loader_limit"]
         loaded = np.zeros(mc["tiles"] + 1, bool)
         loaded[sorted(used)] = True
         span = np.maximum(rows[:, [6]] - 1, 0) * rows[:, [2, 5]] + rows[:, [7]]     # bytes from the first row's start
         tiles = np.minimum(rows[:, [0, 3]], mc["tiles"])
-        outside = (~loaded[tiles] | (rows[:, [1, 4]] < lo) | (rows[:, [1, 4]] + span > hi)).any(axis=1)
+        return (~loaded[tiles] | (rows[:, [1, 4]] < lo) | (rows[:, [1, 4]] + span > hi)).any(axis=1)
+
+    def _check_exchanges(self, m: dict, used: set, phases: int) -> None:
+        """Every decoded exchange table's entries within the run phases, the loaded tiles and
+        their memory, checked over many tables at once (``CHECK_ROWS`` rows at a time; then the
+        first image that fails alone, for its message); and each table's sending tiles
+        (``_senders``: the first and last)."""
+        tables = [(digest, table) for digest, (_, table) in self.decoded.items()]
+        bad = any(len(steps) and int(steps.max()) >= phases for _, (steps, _, _) in tables)
+        for chunk in _chunks([(d, t) for d, t in tables if len(t[1])], CHECK_ROWS) if not bad else ():
+            rows = np.concatenate([r for _, (_, r, _) in chunk])
+            if self._outside(m, rows, used).any():
+                bad = True
+                break
+            at = np.cumsum([0] + [len(r) for _, (_, r, _) in chunk[:-1]])
+            lows, highs = np.minimum.reduceat(rows[:, 0], at), np.maximum.reduceat(rows[:, 0], at)
+            self._senders.update({d: (lo, hi) for (d, _), lo, hi in zip(chunk, lows.tolist(), highs.tolist())})
+        if bad:
+            for digest, table in tables:
+                self._check_exchange(m, f"tile image {digest[:16]}", table, used, phases)
+            raise AssertionError("an exchange table failed the joint check but not its own")
+
+    def _check_exchange(self, m: dict, what: str, table: tuple, used: set, phases: int) -> None:
+        steps, rows, entry = table
         bad = steps >= phases
-        bad[entry[outside]] = True
+        bad[entry[self._outside(m, rows, used)]] = True
         if bad.any():
             i = int(np.argmax(bad))
             e = [int(steps[i]), *rows[np.searchsorted(entry, i)].tolist()]
             self._fail(f"entry {i} {e} of the exchange table of {what} is past the run phases, a "
                        "loaded tile or tile memory")
-        return steps, rows, entry
 
     def _check_bindings(self, m: dict, side: str, used: set) -> None:
         mc = m["machine"]
