@@ -75,7 +75,8 @@ def test_a_kernel_code_edit_changes_its_measured_figures_and_plans_nothing(built
 
 
 def test_the_counts_are_the_same_on_every_run(built, monkeypatch):
-    """Twice with the vertices called from the C loop, once through ctypes one at a time."""
+    """With the vertices called from the C loop on two lanes (threads) and on one, and through
+    ctypes one at a time."""
     from ipubuild.build.build import all_steps
     from ipubuild.builtin import vertex_runner
     from ipubuild.targets import load_target
@@ -87,8 +88,9 @@ def test_the_counts_are_the_same_on_every_run(built, monkeypatch):
     inputs = {s: ws.read_ref(a) for s, a in step.inputs.items()}
     assert vertex_runner.library() is not None, "the vertex loop does not compile here"
     again = set()
-    for switch in ("1", "1", "0"):
+    for switch, lanes in (("1", "2"), ("1", "1"), ("0", "1")):
         monkeypatch.setenv("IPUBUILD_NATIVE_SIM_VERTICES", switch)
+        monkeypatch.setenv("IPUBUILD_SIMULATOR_THREADS", lanes)
         again.add(ws.engine.run(step.phase, inputs, step.config, force=True).outputs["kernel_profile"])
     assert again == {ws.read_ref(f"{NAME}/kernel_profile")}
 

@@ -33,7 +33,8 @@ from ..graph import tensors
 import numpy as np
 
 from ..builtin import vertex_runner
-from ..builtin.simulator import Simulator, _input_bytes, _Plan, _row, load_vertex, run_exchange, tell_tile
+from ..builtin.simulator import (Simulator, _input_bytes, _Plan, _pool, _row, load_vertex, run_exchange, tell_tile,
+                                 threads)
 from ..engine.engine import phase
 from ..engine.errors import UserError
 from ..compiler.kernels import COUNT_FLAGS, counting
@@ -42,21 +43,24 @@ from ..compiler.kernels import COUNT_FLAGS, counting
 class _Counting(Simulator):
     """The simulator's loading, with each kernel variant's counted build (``counted``: its
     object's bytes) loaded beside its plain one and told the tile's size and where its data map
-    lies, as the simulator tells a checked build: ``self.counted`` is ``{variant: counted entry
-    point}``."""
+    lies, as the simulator tells a checked build: ``self.counted[lane]`` is ``{variant: counted
+    entry point}``, one copy of each counted object per lane (a counted build counts in a static
+    variable: two threads must not run one copy at once)."""
 
-    def __init__(self, counted: dict[str, bytes]):
-        self.objects, self.counted = counted, {}
+    def __init__(self, counted: dict[str, bytes], lanes: int = 1):
+        self.objects, self.counted = counted, [{} for _ in range(lanes)]
 
     def _load_kernels(self, pkg, workdir, tile_bytes, map_at):
         plain = super()._load_kernels(pkg, workdir, tile_bytes, map_at)
         for name in plain:
             if name in self.objects:
-                lib, fn = load_vertex(Path(workdir) / f"counted-{name}.so", self.objects[name], "ipu_counted_vertex",
-                                      [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)],
-                                      f"kernel {name}", "cannot load its counted object")
-                tell_tile(lib, tile_bytes, map_at)
-                self.counted[name] = fn
+                for lane, found in enumerate(self.counted):
+                    lib, fn = load_vertex(Path(workdir) / f"counted-{name}-{lane}.so", self.objects[name],
+                                          "ipu_counted_vertex",
+                                          [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint64)],
+                                          f"kernel {name}", "cannot load its counted object")
+                    tell_tile(lib, tile_bytes, map_at)
+                    found[name] = fn
         return plain
 
 
@@ -64,23 +68,24 @@ def _counted_blocks(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes])
     """Run the program of ``pkg`` (a ``Package``) on the host, step by step, every vertex in
     tile then program order, each kernel variant's counted build in place of its plain one
     where it has one: ``(the _Plan, each vertex's executed blocks)`` (``2**64 - 1`` where
-    uncounted), vertices in the plan's order."""
-    loader = _Counting(counted)
-    plan, memory, row_of = _loaded_plan(loader, pkg, inputs, workdir)
-    fns = [loader.counted.get(name) or fn for name, (fn, _) in zip(plan.names, plan.kernels)]
-    flags = np.array([name in loader.counted for name in plan.names] + [False], np.uint8)
-    addresses = np.array([ctypes.cast(fn, ctypes.c_void_p).value for fn in fns] + [0], np.uint64)
+    uncounted), vertices in the plan's order. A step's lanes (runs of whole tiles, which share
+    no memory) run on threads at once, as the simulator runs them."""
+    lanes = threads() if vertex_runner.library() is not None else 1
+    loader = _Counting(counted, lanes)
+    plan, memory, row_of = _loaded_plan(loader, pkg, inputs, workdir, lanes)
+    fns = [[mine.get(name) or fn for name, (fn, _) in zip(plan.names, plan.kernels)] for mine in loader.counted]
+    flags = np.array([name in loader.counted[0] for name in plan.names] + [False], np.uint8)
+    addresses = [np.array([ctypes.cast(fn, ctypes.c_void_p).value for fn in mine] + [0], np.uint64) for mine in fns]
     blocks = np.empty(len(plan.kernel), np.uint64)
     count = ctypes.c_uint64()
-    for s in range(len(plan.step_bounds) - 1):
-        run_exchange(memory, row_of, plan.entries[s])
-        lo, hi = plan.step_bounds[s], plan.step_bounds[s + 1]
+
+    def run_lane(lane: int, lo: int, hi: int) -> None:
         k = plan.kernel[lo:hi]
-        found = vertex_runner.count(addresses[k], flags[k], plan.mems[lo:hi], plan.argp[lo:hi])
+        found = vertex_runner.count(addresses[lane][k], flags[k], plan.mems[lo:hi], plan.argp[lo:hi])
         if found is None:                                # through ctypes, one call at a time
             found = np.empty(hi - lo, np.uint64)
             for j, i in enumerate(range(lo, hi)):
-                fn, mem, args = fns[plan.kernel[i]], int(plan.mems[i]), int(plan.argp[i])
+                fn, mem, args = fns[lane][plan.kernel[i]], int(plan.mems[i]), int(plan.argp[i])
                 if flags[plan.kernel[i]]:
                     fn(mem, args, ctypes.byref(count))
                     found[j] = count.value
@@ -88,18 +93,27 @@ def _counted_blocks(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes])
                     fn(mem, args)
                     found[j] = UNCOUNTED
         blocks[lo:hi] = found
+
+    with _pool(lanes) as pool:
+        for s in range(len(plan.step_bounds) - 1):
+            run_exchange(memory, row_of, plan.entries[s], pool)
+            first, *rest = plan.lanes[s] or [(0, 0)]
+            later = [pool.submit(run_lane, lane, *span) for lane, span in enumerate(rest, 1)]
+            run_lane(0, *first)
+            for f in later:
+                f.result()
     return plan, blocks
 
 
 UNCOUNTED = np.uint64(2**64 - 1)
 
 
-def _loaded_plan(loader: Simulator, pkg, inputs: dict, workdir: Path):
-    """``pkg`` loaded by ``loader`` with ``inputs`` written: ``(its _Plan on one lane, memory,
-    row_of)``."""
+def _loaded_plan(loader: Simulator, pkg, inputs: dict, workdir: Path, lanes: int = 1):
+    """``pkg`` loaded by ``loader`` with ``inputs`` written: ``(its _Plan on ``lanes`` lanes,
+    memory, row_of)``."""
     m = pkg.manifest
     loaded = loader._load(pkg, m["machine"], workdir)
-    plan = _Plan(loaded, m["machine"], m["host"]["run"]["phases"])
+    plan = _Plan(loaded, m["machine"], m["host"]["run"]["phases"], lanes)
     for b in m["inputs"]:
         raw = _input_bytes(b, inputs)
         for off, size, tile, addr in b["ranges"]:
