@@ -136,9 +136,9 @@ MUTATIONS += [
                    "ipubuild/compiler/planning/phases.py", r"exchange\.horizon_of\(entries, m, t\[\"use_paired\"\]\)",
                    "exchange.horizon_of(entries, m, False)", T_PAIRED),
     SourceMutation("simulator_skips_paired_exchanges", "paired", "the simulator skips the transfers of paired steps",
-                   SIM, r"^                run_exchange\(memory, row_of, plan\.entries\[s\]\)$",
+                   SIM, r"^                run_exchange\(memory, row_of, plan\.entries\[s\], pool\)$",
                    "                if not host_program['paired'][s]:\n"
-                   "                    run_exchange(memory, row_of, plan.entries[s])", T_PAIRED),
+                   "                    run_exchange(memory, row_of, plan.entries[s], pool)", T_PAIRED),
     SourceMutation("planner_never_pairs", "paired", "the planner never keeps a paired schedule",
                    "ipubuild/compiler/planning/exchange.py", r"use_paired = paired < ordinary", "use_paired = False", T_PAIRED),
 ]
