@@ -178,6 +178,16 @@ def _random_phase(rng, tiles: int, size: int, entries: int):
     return out
 
 
+def _outcome(memory, row_of, entries, pool=None) -> tuple[str, bytes]:
+    """One phase run over a copy of ``memory``: ``("done" or the error, the memory after)``."""
+    mem = memory.copy()
+    try:
+        run_exchange(mem, row_of, entries, pool)
+        return "done", mem.tobytes()
+    except UserError as exc:
+        return str(exc), mem.tobytes()
+
+
 def test_the_c_copier_does_what_the_numpy_form_does(monkeypatch):
     """Random phases, some writing a byte twice: the same memory after, or the same error."""
     from ipubuild.builtin import exchange_copy
@@ -191,12 +201,7 @@ def test_the_c_copier_does_what_the_numpy_form_does(monkeypatch):
         results = []
         for switch in ("1", "0"):
             monkeypatch.setenv("IPUBUILD_NATIVE_SIM_EXCHANGE", switch)
-            mem = memory.copy()
-            try:
-                run_exchange(mem, row_of, entries)
-                results.append(("done", mem.tobytes()))
-            except UserError as exc:
-                results.append((str(exc), mem.tobytes()))
+            results.append(_outcome(memory, row_of, entries))
         assert results[0] == results[1], entries
         outcomes.add(results[0][0] == "done")
     assert outcomes == {True, False}          # both kinds of phase were met
@@ -217,14 +222,7 @@ def test_the_c_copier_on_two_threads_does_what_it_does_on_one(monkeypatch):
         for trial in range(200):
             memory, row_of = tile_memory(*(rng.integers(0, 256, 512, dtype=np.uint8) for _ in range(6)))
             entries = _random_phase(rng, 6, 512, int(rng.integers(1, 12)))
-            results = []
-            for threads in (None, pool):
-                mem = memory.copy()
-                try:
-                    run_exchange(mem, row_of, entries, threads)
-                    results.append(("done", mem.tobytes()))
-                except UserError as exc:
-                    results.append((str(exc), mem.tobytes()))
+            results = [_outcome(memory, row_of, entries, threads) for threads in (None, pool)]
             assert results[0] == results[1], entries
             outcomes.add(results[0][0] == "done")
     assert outcomes == {True, False}          # both kinds of phase were met
