@@ -242,3 +242,22 @@ def test_the_device_lock_folder_is_made_or_named_in_one_line(tmp_path, monkeypat
                                         r"point it at a writable folder$"):
         with device_ownership("ipumodel"):
             pass
+
+
+@pytest.mark.parametrize("events", [
+    [],
+    [{"name": "a", "ph": "X", "pid": 0, "tid": 1, "ts": 0.0, "dur": 5e-05, "args": {"cycles": 3}}],  # orjson: 0.00005
+    [{"name": "tiny", "ts": 1e-07}, {"name": "huge", "ts": 1e16}],
+    [{"name": "é"}, {"name": "del\x7f"}, {"name": "ctl\x1f\n"}],                                   # json escapes them
+    [{"name": "x", "args": {"list": [1.5, 5e-05]}}, {"big": 2 ** 70}, {"none": None, "flag": True}],
+])
+def test_the_trace_artifact_is_the_canonical_json_of_its_document(events):
+    """``trace_bytes`` (orjson where it writes what json does) gives ``canonical.dumps``'s bytes,
+    on the simulator's kind of trace and on what orjson writes differently."""
+    from ipubuild.device.device import trace_bytes
+    rng = np.random.default_rng(5)
+    events = events + [{"name": f"op{i % 7}", "ph": "X", "pid": 0, "tid": int(t), "ts": round(float(ts), 3),
+                        "dur": round(float(d), 3), "args": {"cycles": int(c)}}
+                       for i, (t, ts, d, c) in enumerate(zip(rng.integers(0, 1472, 2000), rng.uniform(0, 1e6, 2000),
+                                                            rng.uniform(0, 10, 2000), rng.integers(0, 10**6, 2000)))]
+    assert trace_bytes(events) == canonical.dumps({"traceEvents": events, "displayTimeUnit": "ns"})

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import fcntl
 import inspect
+import math
 import os
 import tempfile
 from pathlib import Path
@@ -110,7 +111,44 @@ def run_device(ctx):
             run = backend.run(package, inputs, Path(work))
     return {"device_run": tensors.pack(run.outputs), "values": tensors.pack(run.values if mode == "operations" else {}),
             "profile": canonical.dumps(run.profile),
-            "trace": canonical.dumps({"traceEvents": run.trace, "displayTimeUnit": "ns"})}
+            "trace": trace_bytes(run.trace)}
+
+
+#: the scalars orjson writes as ``json`` does (floats are checked value by value)
+_FLAT = (str, int, bool, type(None))
+
+
+def trace_bytes(trace: list) -> bytes:
+    """The trace artifact: ``canonical.dumps({"traceEvents": trace, "displayTimeUnit": "ns"})``,
+    written by orjson where that gives the same bytes (ViT-B/16's 23 MB trace: 0.48 s by
+    ``json``, 0.05 s by orjson). It does when every event is a flat dict (its values, and those
+    of a dict value such as ``args``, plain scalars), every distinct float's orjson text is its
+    ``repr`` (orjson writes 5e-05 as 0.00005), and the text is ASCII without DEL (``json``
+    escapes both); else ``canonical.dumps`` writes it."""
+    import orjson
+    doc = {"traceEvents": trace, "displayTimeUnit": "ns"}
+    floats: set = set()
+    for event in trace:
+        if type(event) is not dict:
+            return canonical.dumps(doc)
+        for v in event.values():
+            if type(v) is float:
+                floats.add(v)
+            elif type(v) is dict:
+                for x in v.values():
+                    if type(x) is float:
+                        floats.add(x)
+                    elif type(x) not in _FLAT:
+                        return canonical.dumps(doc)
+            elif type(v) not in _FLAT:
+                return canonical.dumps(doc)
+    if not all(math.isfinite(f) and orjson.dumps(f) == repr(f).encode() for f in floats):
+        return canonical.dumps(doc)
+    try:
+        out = orjson.dumps(doc, option=orjson.OPT_SORT_KEYS)
+    except TypeError:                   # an integer past 64 bits
+        return canonical.dumps(doc)
+    return out if out.isascii() and b"\x7f" not in out else canonical.dumps(doc)
 
 
 @phase("check_numerics", inputs=("device_run", "values", "value_map", "reference", "float_reference", "graph",
