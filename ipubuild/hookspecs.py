@@ -150,7 +150,9 @@ def ipubuild_device_backends():
     ``total_cycles``, and, if there, ``failures`` — up to 16 dicts, each with ``kind``
     ``"vertex"`` (``step``, ``name``, ``tile``, ``vertex``, ``kernel``, ``code``, ``reason``) or
     ``"exchange"`` (``step``, ``name``, ``reason``) — and ``failure_count``) and Chrome trace
-    events. The backend should read the package with ``ipubuild.package.Package`` and own its
+    events. The backend should read the package with ``ipubuild.package.Package`` (its tile
+    images' data segments are memoryviews of the package's bytes: ``bytes(view)`` for a copy to
+    keep, pickle or join) and own its
     device with ``ipubuild.device.device_ownership``. The target's ``[target] device`` names the
     one used. Called by ``run_device``. All results are merged; a name declared twice is an error.
 

@@ -77,9 +77,9 @@ def _counted_blocks(pkg, inputs: dict, workdir: Path, counted: dict[str, bytes])
     flags = np.array([name in loader.counted[0] for name in plan.names] + [False], np.uint8)
     addresses = [np.array([ctypes.cast(fn, ctypes.c_void_p).value for fn in mine] + [0], np.uint64) for mine in fns]
     blocks = np.empty(len(plan.kernel), np.uint64)
-    count = ctypes.c_uint64()
 
     def run_lane(lane: int, lo: int, hi: int) -> None:
+        count = ctypes.c_uint64()
         k = plan.kernel[lo:hi]
         found = vertex_runner.count(addresses[lane][k], flags[k], plan.mems[lo:hi], plan.argp[lo:hi])
         if found is None:                                # through ctypes, one call at a time
@@ -109,8 +109,8 @@ UNCOUNTED = np.uint64(2**64 - 1)
 
 
 def _loaded_plan(loader: Simulator, pkg, inputs: dict, workdir: Path, lanes: int = 1):
-    """``pkg`` loaded by ``loader`` with ``inputs`` written: ``(its _Plan on ``lanes`` lanes,
-    memory, row_of)``."""
+    """``pkg`` loaded by ``loader`` with ``inputs`` written: its ``_Plan`` on ``lanes`` lanes, its
+    memory and its ``row_of``."""
     m = pkg.manifest
     loaded = loader._load(pkg, m["machine"], workdir)
     plan = _Plan(loaded, m["machine"], m["host"]["run"]["phases"], lanes)

@@ -47,8 +47,8 @@ COUNT_FLAGS = "-fsanitize-coverage=trace-pc"
 COUNTED_NICE = 10
 
 #: the largest tile count whose kernels ``[profile] kernel_counts = "auto"`` counts: counting
-#: compiles every variant twice and runs the program a second time on one thread (vit_fp8, 64
-#: tiles: 0.6 s; ViT-B/16 on 1472 tiles: 31 s, as long as its device run)
+#: compiles every variant twice and runs the program a second time, on the simulator's lanes
+#: (vit_fp8, 64 tiles: 0.6 s at first; ViT-B/16 on 1472 tiles: 31 s, as long as its device run)
 AUTO_MAX_TILES = 256
 
 

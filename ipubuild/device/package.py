@@ -738,6 +738,8 @@ class Package:
         return self._data_view[off:off + size]
 
     def tile_image(self, tile: int) -> tuple[dict, dict]:
+        """The ``(header, arrays)`` of the image ``tile`` runs; its data segments' arrays
+        (``data@<address>``) are memoryviews of the package's bytes (``bytes(view)`` for a copy)."""
         return self.images[self.manifest["tile_images"][tile]]
 
     def kernel_object(self, name: str) -> bytes:

@@ -8,7 +8,7 @@
  * Exported: int ipu_counted_vertex(uint8_t *mem, const uint32_t *args, uint64_t *blocks)
  *   runs ipu_vertex(mem, args), stores the blocks it executed in *blocks, returns its result;
  *   not reentrant: call it from one thread at a time (the measurement loads a copy of the object
- *   for each thread it runs vertices on).
+ *   for each lane of vertices, and runs a lane as one task at a time).
  */
 #include <stdint.h>
 
@@ -21,7 +21,7 @@
 int ipu_vertex(uint8_t *mem, const uint32_t *args);
 
 /* A plain static, not thread-local: a thread-local in a shared object costs a __tls_get_addr
- * call per block (twice the measurement's time). Each thread of the measurement runs its own
+ * call per block (twice the measurement's time). Each lane of the measurement runs its own
  * copy of the object, one vertex at a time. */
 static uint64_t ipu_blocks;
 
