@@ -152,8 +152,7 @@ def ipubuild_device_backends():
     ``"exchange"`` (``step``, ``name``, ``reason``) — and ``failure_count``) and Chrome trace
     events. The backend should read the package with ``ipubuild.package.Package`` (its tile
     images' data segments are memoryviews of the package's bytes: ``bytes(view)`` for a copy to
-    keep, pickle or join) and own its
-    device with ``ipubuild.device.device_ownership``. The target's ``[target] device`` names the
+    keep, pickle or join) and own its device with ``ipubuild.device.device_ownership``. The target's ``[target] device`` names the
     one used. Called by ``run_device``. All results are merged; a name declared twice is an error.
 
     A backend that can read back operations' outputs (for the per-operation comparison,

@@ -67,7 +67,7 @@ def copy_phase(memory: np.ndarray, row_of: np.ndarray, entries: np.ndarray, pool
         cut = int(np.searchsorted(ends, total // 2))
         halves = [(0, cut), (cut, n)]
         tiles = e[order, 3]                   # the checks split where a destination tile begins
-        at = int(np.searchsorted(tiles, tiles[min(cut, n - 1)]))
+        at = int(np.searchsorted(tiles, tiles[n // 2]))
         tile_halves = [(0, at), (at, n)]
     else:
         tile_halves = halves
@@ -80,11 +80,12 @@ def copy_phase(memory: np.ndarray, row_of: np.ndarray, entries: np.ndarray, pool
     def staged(lo):
         return c(stage) + (int(ends[lo - 1]) if lo else 0)
 
+    def check(lo, hi):
+        stamp = np.zeros(size, np.uint8)      # each thread's own, alive through its call
+        return lib.xc_overlap(hi - lo, c(e), c(order) + 8 * lo, size, c(stamp))
+
     both(lambda lo, hi: lib.xc_gather(hi - lo, c(e) + 64 * lo, c(rows_of), size, c(memory), staged(lo)), halves)
-    stamps = {lo: np.zeros(size, np.uint8) for lo, _ in tile_halves}     # one a thread, alive through the calls
-    overlap = both(lambda lo, hi: lib.xc_overlap(hi - lo, c(e), c(order) + 8 * lo, size, c(stamps[lo])),
-                   tile_halves)
-    if max(overlap) >= 0:
+    if max(both(check, tile_halves)) >= 0:
         return ("overlap", -1)
     both(lambda lo, hi: lib.xc_scatter(hi - lo, c(e) + 64 * lo, c(rows_of), size, c(memory), staged(lo)), halves)
     return None

@@ -121,10 +121,10 @@ _FLAT = (str, int, bool, type(None))
 def trace_bytes(trace: list) -> bytes:
     """The trace artifact: ``canonical.dumps({"traceEvents": trace, "displayTimeUnit": "ns"})``,
     written by orjson where that gives the same bytes (ViT-B/16's 23 MB trace: 0.49 s by
-    ``json``, 0.18 s here, the checks included). It does when every event is a flat dict (its values, and those
-    of a dict value such as ``args``, plain scalars), every distinct float's orjson text is its
-    ``repr`` (orjson writes 5e-05 as 0.00005), and the text is ASCII without DEL (``json``
-    escapes both); else ``canonical.dumps`` writes it."""
+    ``json``, 0.18 s here, the checks included). It does when every event is a flat dict (its
+    values, and those of a dict value such as ``args``, plain scalars), every distinct float's
+    orjson text is its ``repr`` (orjson writes 5e-05 as 0.00005), and the text is ASCII without
+    DEL (``json`` escapes both); else ``canonical.dumps`` writes it."""
     import orjson
     doc = {"traceEvents": trace, "displayTimeUnit": "ns"}
     floats: set = set()

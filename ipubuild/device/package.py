@@ -447,16 +447,16 @@ class Package:
         self._check_machine(m)
         used = self._check_tiles(m)
         host = self._check_host(m)
-        self.images, self._senders, self._data_digests = {}, {}, []
+        self.images, self._data_digests = {}, []
         self.decoded: dict[str, tuple] = {}     # image digest -> (decoded program, exchange table)
         for digest in sorted(set(m["tile_images"])):
             self.images[digest] = self._image(m, digest, used if digest != m["idle_image"] else None,
                                               host["run"]["phases"])
         self._check_programs(host["run"]["phases"])
-        self._check_exchanges(m, used, host["run"]["phases"])
+        sending = self._check_exchanges(m, used, host["run"]["phases"])
         self._check_digests(self._data_digests)
         for t, digest in enumerate(m["tile_images"]):   # an image in its own tile's slot
-            senders = self._senders.get(digest)
+            senders = sending.get(digest)
             if senders is not None and senders != (t, t):
                 sent = self.decoded[digest][1][1][:, 0]
                 self._fail(f"tile {t} holds tile image {digest[:16]}, whose exchange table sends from tile "
@@ -668,40 +668,44 @@ class Package:
         except (ValueError, struct.error):
             self._fail(f"the exchange table of {what} does not decode")
 
-    def _outside(self, m: dict, rows: np.ndarray, used: set) -> np.ndarray:
-        """Whether each row leaves the loaded tiles or their memory."""
-        mc = m["machine"]
+    @staticmethod
+    def _outside(mc: dict, rows: np.ndarray, loaded: np.ndarray) -> np.ndarray:
+        """Whether each row leaves the loaded tiles (``loaded``: a mask over the machine's tiles
+        and one past them) or their memory."""
         lo, hi = mc["sram_base"], mc["loader_limit"]
-        loaded = np.zeros(mc["tiles"] + 1, bool)
-        loaded[sorted(used)] = True
         span = np.maximum(rows[:, [6]] - 1, 0) * rows[:, [2, 5]] + rows[:, [7]]     # bytes from the first row's start
         tiles = np.minimum(rows[:, [0, 3]], mc["tiles"])
         return (~loaded[tiles] | (rows[:, [1, 4]] < lo) | (rows[:, [1, 4]] + span > hi)).any(axis=1)
 
-    def _check_exchanges(self, m: dict, used: set, phases: int) -> None:
+    def _check_exchanges(self, m: dict, used: set, phases: int) -> dict[str, tuple[int, int]]:
         """Every decoded exchange table's entries within the run phases, the loaded tiles and
         their memory, checked over many tables at once (``CHECK_ROWS`` rows at a time; then the
-        first image that fails alone, for its message); and each table's sending tiles
-        (``_senders``: the first and last)."""
+        first image that fails alone, for its message). Returns each sending table's first and
+        last sending tile, by image digest."""
+        mc = m["machine"]
+        loaded = np.zeros(mc["tiles"] + 1, bool)
+        loaded[sorted(used)] = True
+        sending: dict[str, tuple[int, int]] = {}
         tables = [(digest, table) for digest, (_, table) in self.decoded.items()]
         bad = any(len(steps) and int(steps.max()) >= phases for _, (steps, _, _) in tables)
         for chunk in _chunks([(d, t) for d, t in tables if len(t[1])], CHECK_ROWS) if not bad else ():
             rows = np.concatenate([r for _, (_, r, _) in chunk])
-            if self._outside(m, rows, used).any():
+            if self._outside(mc, rows, loaded).any():
                 bad = True
                 break
             at = np.cumsum([0] + [len(r) for _, (_, r, _) in chunk[:-1]])
             lows, highs = np.minimum.reduceat(rows[:, 0], at), np.maximum.reduceat(rows[:, 0], at)
-            self._senders.update({d: (lo, hi) for (d, _), lo, hi in zip(chunk, lows.tolist(), highs.tolist())})
+            sending.update({d: (lo, hi) for (d, _), lo, hi in zip(chunk, lows.tolist(), highs.tolist())})
         if bad:
             for digest, table in tables:
-                self._check_exchange(m, f"tile image {digest[:16]}", table, used, phases)
+                self._check_exchange(mc, f"tile image {digest[:16]}", table, loaded, phases)
             raise AssertionError("an exchange table failed the joint check but not its own")
+        return sending
 
-    def _check_exchange(self, m: dict, what: str, table: tuple, used: set, phases: int) -> None:
+    def _check_exchange(self, mc: dict, what: str, table: tuple, loaded: np.ndarray, phases: int) -> None:
         steps, rows, entry = table
         bad = steps >= phases
-        bad[entry[self._outside(m, rows, used)]] = True
+        bad[entry[self._outside(mc, rows, loaded)]] = True
         if bad.any():
             i = int(np.argmax(bad))
             e = [int(steps[i]), *rows[np.searchsorted(entry, i)].tolist()]
