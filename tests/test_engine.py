@@ -204,6 +204,26 @@ def test_plugin_fingerprints_are_part_of_the_key(tmp_path):
         store.close()
 
 
+def test_the_last_large_blob_is_handed_to_its_reader_without_the_store(eng, monkeypatch):
+    """A blob too large for the recent blobs (a package) is read back by the next phase from
+    memory, not re-read and re-verified from the store; only the last one is kept, and
+    ``forget_values`` lets it go."""
+    monkeypatch.setattr(Engine, "RECENT_BLOB_MAX", 1000)
+    first, second = b"a" * 5000, b"b" * 5000
+    d1 = eng.put(first)
+    reads = []
+    monkeypatch.setattr(eng.store, "get", lambda d: reads.append(d) or Store.get(eng.store, d))
+    assert eng.fetch(d1) is first and reads == []
+    d2 = eng.put(second)
+    assert eng.fetch(d2) is second and reads == []
+    assert eng.fetch(d1) == first and reads == [d1]         # replaced: read from the store
+    eng.forget_values()
+    assert eng.fetch(d2) == second and reads == [d1, d2]
+    valued = canonical.encode({"x": "y" * 5000})              # a decoded value stands for it: not kept
+    d3 = eng.put(valued)
+    assert eng.fetch(d3) == bytes(valued) and reads == [d1, d2, d3]
+
+
 # --- family outputs ---------------------------------------------------------------------------
 
 def test_family_outputs_and_family_inputs(eng):

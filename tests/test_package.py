@@ -578,6 +578,32 @@ def _read_both(read, data, monkeypatch):
     return out
 
 
+def test_the_c_range_check_of_exchange_rows_finds_what_numpy_finds(monkeypatch):
+    """Random exchange rows, and rows whose last row's end is past 2**64 bytes: the C check
+    and the numpy form flag the same rows as leaving the loaded tiles or their memory."""
+    from ipubuild.compiler.planning import codegen_native
+    if codegen_native.library() is None:
+        pytest.fail("the table readers do not compile here")
+    rng = np.random.default_rng(5)
+    mc = {"sram_base": 1000, "loader_limit": 600_000, "tiles": 50}
+    loaded = np.zeros(51, bool)
+    loaded[rng.choice(50, 30, replace=False)] = True
+    tile = int(np.flatnonzero(loaded)[0])
+    rows = rng.integers(0, 2 ** 32, size=(4000, 8))
+    rows[:2000, [2, 5, 7]] = rng.integers(0, 50_000, (2000, 3))
+    rows[:2000, [1, 4]] = rng.integers(0, 700_000, (2000, 2))
+    rows[:2000, 6] = rng.integers(0, 4, 2000)
+    rows[:, [0, 3]] = rng.integers(0, 60, (4000, 2))
+    huge = [tile, 2000, 2 ** 32 - 1, tile, 2000, 2 ** 32 - 1, 2 ** 32 - 1, 2 ** 32 - 1]
+    rows = np.vstack([rows, [huge]]).astype(np.int64)
+    found = {}
+    for switch in ("1", "0"):
+        monkeypatch.setenv("IPUBUILD_NATIVE", switch)
+        found[switch] = Package._outside(mc, rows, loaded)
+    assert found["1"].tolist() == found["0"].tolist()
+    assert found["1"][-1] and 0 < found["1"][:2000].sum() < 2000
+
+
 def test_the_c_readers_read_what_the_python_forms_read(monkeypatch):
     """Random tile programs and exchange tables, whole, cut short, padded or with a byte
     changed: the C readers give the same arrays as the Python forms, or refuse them with the same

@@ -277,15 +277,18 @@ class _Plan:
         self.step_bounds = np.searchsorted(step, np.arange(n_steps + 1)).tolist()
         self.kernel, self.index, self.tile = kernel, index, np.asarray(loaded.tiles, np.int64)[row]
         self.start, self.length = start, length
-        # each vertex's cycles by its kernel's estimator (memoised: programs repeat vertices)
-        listed, estimates = self._args.tolist(), {}
+        # each vertex's cycles by its kernel's estimator, asked once per distinct kernel and
+        # arguments (programs repeat vertices: ViT-B/16's 234 k calls have 107 k)
         cycles = np.empty(len(kernel), np.int64)
-        for v, (k, a, n) in enumerate(zip(kernel.tolist(), start.tolist(), length.tolist())):
-            key = (k, *listed[a:a + n])
-            c = estimates.get(key)
-            if c is None:
-                c = estimates[key] = int(reg.kernels[self.names[k]].cycles(listed[a:a + n], machine))
-            cycles[v] = c
+        if len(kernel):
+            groups, which = np.unique(np.stack([kernel, length], axis=1), axis=0, return_inverse=True)
+            for g, (k, n) in enumerate(groups.tolist()):
+                members = np.flatnonzero(which.reshape(-1) == g)
+                rows = self._args[start[members, None] + np.arange(n)]
+                distinct, inverse = np.unique(rows, axis=0, return_inverse=True) if n else (rows[:1], members * 0)
+                estimate = reg.kernels[self.names[k]].cycles
+                cycles[members] = np.array([int(estimate(a, machine)) for a in distinct.tolist()],
+                                           np.int64)[inverse.reshape(-1)]
         self.cycles = cycles
         # per step, each tile's compute (tile order); lanes are runs of whole tiles
         first = np.concatenate([[True], (step[1:] != step[:-1]) | (row[1:] != row[:-1])]) if len(step) \

@@ -22,7 +22,8 @@ def library():
         "tp_scan": (I64, [P, I64, P]),
         "tp_fill": (None, [P, I64, P, P, P, P]),
         "tx_scan": (I64, [P, I64, I64, P]),
-        "tx_rows": (None, [P, I64, P, P, P])})
+        "tx_rows": (None, [P, I64, P, P, P]),
+        "tx_outside": (I64, [I64, P, I64, P, I64, I64, P])})
 
 
 def program_arrays(data: bytes):
@@ -84,6 +85,21 @@ def exchange_rows(words: np.ndarray, at: np.ndarray, n_rows: int) -> tuple[np.nd
     entry = np.empty(n_rows, np.int64)
     lib.tx_rows(w.ctypes.data, len(at), at.ctypes.data, rows.ctypes.data, entry.ctypes.data)
     return rows, entry
+
+
+def rows_outside(rows: np.ndarray, loaded: np.ndarray, lo: int, hi: int) -> np.ndarray | None:
+    """Whether each of ``exchange_rows``' rows leaves the loaded tiles (``loaded``: a bool per
+    tile of the machine and one past them, which any larger tile number reads) or the memory
+    ``[lo, hi)`` on either side: its first byte below ``lo``, or its last row's end past ``hi``
+    (counted without overflow). None if the C form is not available."""
+    lib = library()
+    if lib is None:
+        return None
+    r = np.ascontiguousarray(rows, dtype=np.int64)
+    mask = np.ascontiguousarray(loaded, dtype=np.uint8)
+    out = np.empty(len(r), np.uint8)
+    lib.tx_outside(len(r), r.ctypes.data, len(mask) - 1, mask.ctypes.data, lo, hi, out.ctypes.data)
+    return out.view(bool)
 
 
 SOURCE = r"""/* Scanning codegen's formats (planning/codegen_native.py). A tile program: "TPRG", u32 version
@@ -161,6 +177,26 @@ int64_t tx_scan(const uint32_t *w, int64_t total, int64_t count, int64_t *at) {
 
 /* after tx_scan: each entry's destinations as rows (src_tile, src_addr, src_stride, dst_tile,
  * dst_addr, dst_stride, rows, row_bytes) and each row's entry */
+/* out[i]: whether row i (as tx_rows writes them) leaves the loaded tiles (loaded[tile], tile
+ * numbers past `tiles` reading loaded[tiles]) or [lo, hi) on its source or destination side */
+int64_t tx_outside(int64_t n, const int64_t *rows, int64_t tiles, const uint8_t *loaded, int64_t lo, int64_t hi,
+                   uint8_t *out) {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++, rows += 8) {
+        unsigned __int128 k = rows[6] > 1 ? (unsigned __int128)(rows[6] - 1) : 0;
+        uint8_t o = 0;
+        for (int side = 0; side < 6; side += 3) {
+            int64_t tile = rows[side] < tiles ? rows[side] : tiles, addr = rows[side + 1];
+            o |= !loaded[tile] || addr < lo
+                 || (unsigned __int128)addr + k * (unsigned __int128)rows[side + 2] + (unsigned __int128)rows[7]
+                    > (unsigned __int128)hi;
+        }
+        out[i] = o;
+        bad += o;
+    }
+    return bad;
+}
+
 void tx_rows(const uint32_t *w, int64_t count, const int64_t *at, int64_t *rows, int64_t *entry) {
     for (int64_t k = 0; k < count; k++) {
         const uint32_t *e = w + at[k];
