@@ -684,8 +684,8 @@ class Package:
     @staticmethod
     def _outside(mc: dict, rows: np.ndarray, loaded: np.ndarray) -> np.ndarray:
         """Whether each row leaves the loaded tiles (``loaded``: a mask over the machine's tiles
-        and one past them) or their memory (in C where it can: 0.3 s of reading ViT-B/16's
-        package in numpy, 0.03 s there)."""
+        and one past them) or their memory (in C where it can: ViT-B/16's exchange check took
+        0.30 s with numpy, 0.13 s with it)."""
         lo, hi = mc["sram_base"], mc["loader_limit"]
         found = codegen_native.rows_outside(rows, loaded, lo, hi)
         if found is not None:

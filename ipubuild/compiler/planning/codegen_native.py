@@ -23,7 +23,7 @@ def library():
         "tp_fill": (None, [P, I64, P, P, P, P]),
         "tx_scan": (I64, [P, I64, I64, P]),
         "tx_rows": (None, [P, I64, P, P, P]),
-        "tx_outside": (I64, [I64, P, I64, P, I64, I64, P])})
+        "tx_outside": (None, [I64, P, I64, P, I64, I64, P])})
 
 
 def program_arrays(data: bytes):
@@ -179,9 +179,8 @@ int64_t tx_scan(const uint32_t *w, int64_t total, int64_t count, int64_t *at) {
  * dst_addr, dst_stride, rows, row_bytes) and each row's entry */
 /* out[i]: whether row i (as tx_rows writes them) leaves the loaded tiles (loaded[tile], tile
  * numbers past `tiles` reading loaded[tiles]) or [lo, hi) on its source or destination side */
-int64_t tx_outside(int64_t n, const int64_t *rows, int64_t tiles, const uint8_t *loaded, int64_t lo, int64_t hi,
-                   uint8_t *out) {
-    int64_t bad = 0;
+void tx_outside(int64_t n, const int64_t *rows, int64_t tiles, const uint8_t *loaded, int64_t lo, int64_t hi,
+                uint8_t *out) {
     for (int64_t i = 0; i < n; i++, rows += 8) {
         unsigned __int128 k = rows[6] > 1 ? (unsigned __int128)(rows[6] - 1) : 0;
         uint8_t o = 0;
@@ -192,9 +191,7 @@ int64_t tx_outside(int64_t n, const int64_t *rows, int64_t tiles, const uint8_t 
                     > (unsigned __int128)hi;
         }
         out[i] = o;
-        bad += o;
     }
-    return bad;
 }
 
 void tx_rows(const uint32_t *w, int64_t count, const int64_t *at, int64_t *rows, int64_t *entry) {
