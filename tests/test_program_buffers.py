@@ -9,7 +9,8 @@ import pytest
 
 from ipubuild import frontend, plugins, targets
 from ipubuild.compiler.planning.program import build_program, default_layout, program_blob, vertices_of
-from ipubuild.graph.artifacts import BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_numbers, from_plan_blob
+from ipubuild.graph.artifacts import (BUFFER_KINDS, buffer_codes, buffer_codes_of, buffer_numbers, code_ranks,
+                                      from_plan_blob)
 from ipubuild.graph.program_buffers import COLUMNS, buffer_table, buffers_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -37,6 +38,22 @@ def test_a_buffers_number_is_read_back_from_its_code():
     numbers = np.concatenate([rng.integers(0, 10 ** 8, 5000), 10 ** np.arange(8), 10 ** np.arange(1, 9) - 1, [0]])
     kinds = rng.integers(0, len(BUFFER_KINDS), len(numbers))
     assert buffer_numbers(buffer_codes_of(kinds, numbers)).tolist() == numbers.tolist()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_code_ranks_are_numpys_unique_and_inverse(dtype):
+    """The exchange renumbering ranks a step's buffer codes without sorting them all: the same
+    distinct codes, in order, and the same places as np.unique's, for int32 transfers and int64;
+    codes that are no buffer's (negative, past the last kind) too, and none."""
+    rng = np.random.default_rng(5)
+    numbers = np.concatenate([rng.integers(0, 10 ** 8, 300), rng.integers(1, 3000, 300), 10 ** np.arange(8)])
+    codes = buffer_codes_of(rng.integers(0, len(BUFFER_KINDS), len(numbers)), numbers)
+    for sample in (codes[rng.integers(0, len(codes), 20000)], codes[:1], np.array([-1, 5, 5, 2]),
+                   np.array([len(BUFFER_KINDS) * 11 ** 8, 7]), np.zeros(0, np.int64)):
+        sample = sample.astype(dtype)
+        got, expected = code_ranks(sample), np.unique(sample, return_inverse=True)
+        assert got[0].dtype == sample.dtype and got[0].tolist() == expected[0].tolist()
+        assert got[1].tolist() == expected[1].tolist()
 
 
 def test_every_buffer_a_program_names_is_a_row_of_its_tile(program):

@@ -147,9 +147,35 @@ def buffer_numbers(codes: np.ndarray) -> np.ndarray:
     """The number of each buffer given by its ``buffer_code`` (``o12`` -> 12), without names:
     the code's 8 base-11 digits read as two halves of 4 by table (a half's number and how many
     digits it has), a few passes over the codes rather than a few per digit."""
-    high, low = np.divmod(np.asarray(codes, dtype=np.int64) % 11 ** _DIGITS, 11 ** (_DIGITS // 2))
-    number, length = _HALVES
-    return number[high] * 10 ** length[low] + number[low]
+    codes = np.asarray(codes)
+    if codes.dtype != np.int32:          # codes fit int32 (BUFFER_KINDS · 11**8 < 2**31)
+        codes = codes.astype(np.int64)
+    high, low = np.divmod(codes % 11 ** _DIGITS, 11 ** (_DIGITS // 2))
+    return _HALF_NUMBER[high] * _HALF_SCALE[low] + _HALF_NUMBER[low]
+
+
+def code_ranks(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(codes, return_inverse=True)`` for buffer codes (``buffer_code``'s): the
+    distinct codes, sorted, and where each code is among them. Only the distinct codes are
+    sorted: each code marks its buffer (kind, number) in a table as long as the buffers the
+    codes span. On a ViT-B/16 program's transfers (13.4 M references) 0.3 s instead of 0.7 s.
+    Codes that are not buffers' (negative, or past the last kind) go to ``np.unique``."""
+    codes = np.asarray(codes)
+    if not len(codes) or codes.min() < 0 or codes.max() >= len(BUFFER_KINDS) * 11 ** _DIGITS:
+        return np.unique(codes, return_inverse=True)
+    numbers = buffer_numbers(codes)
+    span = int(numbers.max()) + 1
+    dense = buffer_kinds(codes) * span + numbers             # a buffer's kind and number
+    low = int(dense.min())
+    dense -= low
+    seen = np.zeros(int(dense.max()) + 1, bool)
+    seen[dense] = True
+    present = np.flatnonzero(seen)
+    found = buffer_codes_of((present + low) // span, (present + low) % span)
+    order = np.argsort(found)
+    rank = np.empty(len(seen), np.int64)
+    rank[present[order]] = np.arange(len(present))
+    return found[order].astype(codes.dtype), rank[dense]
 
 
 def _halves(digits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -163,7 +189,8 @@ def _halves(digits: int) -> tuple[np.ndarray, np.ndarray]:
     return number, length
 
 
-_HALVES = _halves(_DIGITS // 2)
+_HALF_NUMBER, _HALF_LENGTH = _halves(_DIGITS // 2)
+_HALF_SCALE = 10 ** _HALF_LENGTH
 
 
 # plan blobs made in this process whose values the engine has not taken yet (``take_value``):

@@ -42,22 +42,23 @@ def table_of_rows(rows: np.ndarray, ends: np.ndarray, value_keys: list[str], til
     into ``BUFFER_KINDS``, ``value`` into ``value_keys``), ``ends[n - 1]`` its last step.
     The table's values are those its rows name, sorted."""
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, ROW_FIELDS)
+    ends = np.asarray(ends, dtype=np.int64)
+    if len(rows) and (max(rows.max(), ends.max()) > np.iinfo(np.int32).max or min(rows.min(), ends.min()) < 0):
+        raise ValueError("a buffer's size, steps or block do not fit the program's int32 buffer table")
     used = np.unique(rows[:, 4])
     names = [value_keys[i] for i in used.tolist()]
     order = sorted(range(len(names)), key=names.__getitem__)
     rank = np.zeros(len(value_keys) if len(used) else 0, np.int64)
     rank[used[order]] = np.arange(len(order))
-    table = np.empty((len(rows), len(COLUMNS)), np.int64)
-    table[:, TILE] = rows[:, 0]
-    table[:, CODE] = buffer_codes_of(rows[:, 1], np.arange(1, len(rows) + 1))
+    codes = buffer_codes_of(rows[:, 1], np.arange(1, len(rows) + 1))
+    by = np.argsort(rows[:, 0] << 32 | codes)        # by tile, then code (codes are distinct)
+    rows, ends, codes = rows[by], ends[by], codes[by]
+    table = np.empty((len(rows), len(COLUMNS)), np.int32)   # int32 throughout: the rows fit, checked above
+    table[:, TILE], table[:, CODE] = rows[:, 0], codes
     table[:, SIZE], table[:, START], table[:, END] = rows[:, 2], rows[:, 3], ends
     table[:, VALUE] = rank[rows[:, 4]]
     table[:, VALUE + 1:] = rows[:, 5:]
-    table = table[np.lexsort((table[:, CODE], table[:, TILE]))]
-    if len(table) and (table.max() > np.iinfo(np.int32).max or table.min() < 0):
-        raise ValueError("a buffer's size, steps or block do not fit the program's int32 buffer table")
-    return {"tile_count": tile_count, "values": [names[i] for i in order],
-            "table": np.ascontiguousarray(table, dtype=np.int32)}
+    return {"tile_count": tile_count, "values": [names[i] for i in order], "table": table}
 
 
 class ProgramBuffers(Mapping):

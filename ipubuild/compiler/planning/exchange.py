@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ...graph.artifacts import buffer_code, buffer_codes, buffer_names
+from ...graph.artifacts import buffer_code, buffer_codes, buffer_names, code_ranks
 
 from ...graph.operators import ceil_div
 
@@ -353,7 +353,7 @@ def renumbered(transfers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     t = np.asarray(transfers)
     if not len(t):
         return t, np.zeros(0, np.int64)
-    codes, inverse = np.unique(np.concatenate([t[:, 1], t[:, 5]]), return_inverse=True)
+    codes, inverse = code_ranks(np.concatenate([t[:, 1], t[:, 5]]))
     ranked = _ranked_codes(len(codes)).astype(t.dtype)
     out = np.array(t)
     out[:, 1], out[:, 5] = ranked[inverse[:len(t)]], ranked[inverse[len(t):]]
