@@ -39,8 +39,10 @@ def first_fit(size: np.ndarray, start: np.ndarray, end: np.ndarray, ranges, alig
 
 SOURCE = r"""/* First fit over live ranges (planning/storage.py: _place). Buffer i (in placement order)
  * takes size[i] bytes (aligned) from step start[i] to step end[i]; placed buffers are kept
- * sorted as tuples (address, end address, start, end) in work[]. Returns -1, or the index of
- * the first buffer that fits nowhere. Integer arithmetic only. */
+ * sorted as tuples (address, end address, start, end) in work[]; when the buffers come in order
+ * of their first steps (placement order), those that ended before a buffer's first step are
+ * dropped from work[], as they overlap no buffer after it. Returns -1, or the index of the first
+ * buffer that fits nowhere. Integer arithmetic only. */
 #include <stdint.h>
 #include <string.h>
 
@@ -54,9 +56,21 @@ static int tuple_less(const int64_t *x, const int64_t *y) {
 
 int64_t sa_first_fit(int64_t n, const int64_t *size, const int64_t *start, const int64_t *end,
                      int64_t nranges, const int64_t *ranges, int64_t alignment, int64_t *addr, int64_t *work) {
-    int64_t placed = 0;
+    int64_t placed = 0, ordered = 1;
+    for (int64_t i = 1; i < n && ordered; i++)
+        ordered = start[i] >= start[i - 1];
     for (int64_t i = 0; i < n; i++) {
         int64_t s = size[i], st = start[i], en = end[i], found = -1;
+        if (ordered && i > 0 && st > start[i - 1]) {
+            /* buffers come by first step: one that ended before this step overlaps no later one */
+            int64_t kept = 0;
+            for (int64_t j = 0; j < placed; j++)
+                if (work[4 * j + 3] >= st) {
+                    if (kept != j) memcpy(work + 4 * kept, work + 4 * j, sizeof(int64_t) * 4);
+                    kept++;
+                }
+            placed = kept;
+        }
         for (int64_t r = 0; r < nranges && found < 0; r++) {
             int64_t lo = ranges[2 * r], hi = ranges[2 * r + 1];
             int64_t cursor = align_up(lo, alignment);
