@@ -158,7 +158,7 @@ def code_ranks(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``np.unique(codes, return_inverse=True)`` for buffer codes (``buffer_code``'s): the
     distinct codes, sorted, and where each code is among them. Only the distinct codes are
     sorted: each code marks its buffer (kind, number) in a table as long as the buffers the
-    codes span. On a ViT-B/16 program's transfers (13.4 M references) 0.3 s instead of 0.7 s.
+    codes span. On a ViT-B/16 program's transfers (13.4 M references) 0.42 s instead of 0.74 s.
     Codes that are not buffers' (negative, or past the last kind) go to ``np.unique``."""
     codes = np.asarray(codes)
     if not len(codes) or codes.min() < 0 or codes.max() >= len(BUFFER_KINDS) * 11 ** _DIGITS:
