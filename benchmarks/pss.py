@@ -6,8 +6,8 @@ counts shared pages once per process: neither is what a build with worker proces
 shares each shared page among the processes mapping it, so the sum over the tree is the memory
 the tree holds. Each sample reads ``/proc/<pid>/smaps_rollup`` of the process and of every
 descendant, found through ``/proc/<pid>/task/*/children``; the peak is the largest sum seen.
-A process that starts and ends between two samples is missed: the default interval (0.1 s) is
-short beside a build's phases.
+A process that starts and ends between two samples is missed: the default interval (0.1 s,
+longer for a large tree, see ``TreeSampler``) is short beside a build's phases.
 
     with TreeSampler(pid) as s:
         ...                      # wait for the process
@@ -16,6 +16,7 @@ short beside a build's phases.
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -67,10 +68,18 @@ def available() -> bool:
 
 class TreeSampler:
     """Samples ``tree_pss_kib(pid)`` every ``interval`` seconds in a thread until stopped;
-    ``peak_kib`` is the largest sample (None where /proc lacks what it needs)."""
+    ``peak_kib`` is the largest sample (None where /proc lacks what it needs).
 
-    def __init__(self, pid: int, interval: float = 0.1):
-        self.pid, self.interval = pid, interval
+    A sample is the kernel walking every page of every process, which is not free at scale: on
+    ViT-B/16's build (four processes, 10 GB) one took 176 ms, so sampling every 0.1 s kept
+    two thirds of a core busy beside the very build it measured (one benchmark run's candidates'
+    median was 8.4 s where a plain build of the same code had 6.8 s). The wait after a sample is therefore at least
+    ``(1 - budget) / budget`` times the sample's own duration: the sampler takes at most
+    ``budget`` of one core (about 1.6 s between samples of that tree), a small build is still
+    sampled every ``interval``."""
+
+    def __init__(self, pid: int, interval: float = 0.1, budget: float = 0.1):
+        self.pid, self.interval, self.budget = pid, interval, budget
         self.peak_kib: int | None = 0 if available() else None
         self.samples = 0
         self._stop = threading.Event()
@@ -78,8 +87,10 @@ class TreeSampler:
 
     def _run(self) -> None:
         while True:
+            t0 = time.perf_counter()
             self._sample()
-            if self._stop.wait(self.interval):
+            took = time.perf_counter() - t0
+            if self._stop.wait(max(self.interval, took * (1 - self.budget) / self.budget)):
                 return
 
     def _sample(self) -> None:
