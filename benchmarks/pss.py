@@ -71,12 +71,12 @@ class TreeSampler:
     ``peak_kib`` is the largest sample (None where /proc lacks what it needs).
 
     A sample is the kernel walking every page of every process, which is not free at scale: on
-    ViT-B/16's build (four processes, 10 GB) one took 176 ms, so sampling every 0.1 s kept
-    two thirds of a core busy beside the very build it measured (one benchmark run's candidates'
-    median was 8.4 s where a plain build of the same code had 6.8 s). The wait after a sample is therefore at least
-    ``(1 - budget) / budget`` times the sample's own duration: the sampler takes at most
-    ``budget`` of one core (about 1.6 s between samples of that tree), a small build is still
-    sampled every ``interval``."""
+    ViT-B/16's build (four processes, 10 GB) one took 176 ms, so sampling every 0.1 s kept two
+    thirds of a core busy beside the very build it measured (one benchmark run's candidates'
+    median was 8.4 s where a plain build of the same code had 6.8 s). The wait after a sample
+    is therefore at least ``(1 - budget) / budget`` times the sample's own duration: the
+    sampler takes at most ``budget`` of one core (about 1.6 s between samples of that tree); a
+    small build is still sampled every ``interval``."""
 
     def __init__(self, pid: int, interval: float = 0.1, budget: float = 0.1):
         self.pid, self.interval, self.budget = pid, interval, budget
