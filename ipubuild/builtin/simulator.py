@@ -287,7 +287,8 @@ class _Plan:
                 members = np.flatnonzero(which.reshape(-1) == g)
                 rows = np.ascontiguousarray(self._args[start[members, None] + np.arange(n)])
                 # a row as one opaque value: numpy's unique over rows (axis=0) is several times slower
-                keys = rows.view(np.dtype((np.void, 4 * n))).reshape(-1) if n else np.zeros(len(rows), np.uint8)
+                keys = (rows.view(np.dtype((np.void, rows.itemsize * n))).reshape(-1) if n
+                        else np.zeros(len(rows), np.uint8))
                 _, once, inverse = np.unique(keys, return_index=True, return_inverse=True)
                 distinct = rows[once]
                 estimate = reg.kernels[self.names[k]].cycles
