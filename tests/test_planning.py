@@ -673,6 +673,19 @@ def test_a_matmul_also_offers_grids_whose_column_blocks_are_whole_32_column_bloc
     assert (1, 18, 2) in grids and (1, 18, 2) not in {(p["m"], p["n"], p["k"]) for p in own}
 
 
+def test_aligned_variants_keep_about_as_many_tiles():
+    """A grid goes to the aligned column counts nearest its own, with its own rows and with the
+    rows that keep rows × columns nearest below and above: ViT-B/16's QKV (2304 columns) on
+    2 × 64 × 8 to 4 × 36 × 8 (whole heads of 64 columns on 1152 tiles), not only to 2 × 36 × 8
+    (on 576)."""
+    from ipubuild.compiler.gridplan import aligned_variants
+    plans = [{"m": m, "n": n, "k": 8} for m in (1, 2, 4, 8) for n in (16, 36, 64, 72) if m * n * 8 <= 1472]
+    grid = lambda i: (plans[i]["m"], plans[i]["n"], plans[i]["k"])  # noqa: E731
+    base = plans.index({"m": 2, "n": 64, "k": 8})
+    found = {grid(i) for i in aligned_variants(plans, [base], 2304)}
+    assert found == {(2, 36, 8), (4, 36, 8), (1, 72, 8), (2, 72, 8)}, found
+
+
 def test_head_aligned_qkv_blocks_cut_the_attention_scores_exchange(vit_graph):
     """The attention scores read each head's K columns of the fused QKV: from 36-column blocks a
     head's 64 columns cross a block edge, so every row is a transfer of its own (a setup each);
@@ -685,7 +698,7 @@ def test_head_aligned_qkv_blocks_cut_the_attention_scores_exchange(vit_graph):
     qkv, scores = ops["block0.qkv"], ops["block0.scores"]
     plans = sc.plans[qkv.id]
     base = plans.index({"m": 2, "n": 16, "k": 1})
-    (aligned,) = [i for i in aligned_variants(plans, [base], 576) if plans[i]["n"] == 18]
+    (aligned,) = [i for i in aligned_variants(plans, [base], 576) if (plans[i]["m"], plans[i]["n"]) == (2, 18)]
     terms = []
     for p in (base, aligned):
         layout = default_layout(vit_graph, 64)

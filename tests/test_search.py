@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
@@ -171,6 +172,32 @@ def _vit_context():
     return SearchContext(model.graph, 64, load_machine("ipu21"))
 
 
+def test_align_columns_moves_the_matmuls_alike_together():
+    """Two blocks' QKV (the same shapes, plans and plan) go to each aligned grid in one proposal
+    as well as one at a time; a QKV on another plan is not alike."""
+    from ipubuild.builtin.heuristics import align_columns
+    from ipubuild.compiler.planning.program import default_layout
+    target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    target["model"]["blocks"] = 2
+    sc = SearchContext(build_model(get_plugin_manager(), target).graph, 64, load_machine("ipu21"))
+    layout = default_layout(sc.graph, 64)
+    ops = {op.name: op.id for op in sc.graph.ops}
+    q0, q1 = ops["block0.qkv"], ops["block1.qkv"]
+
+    def proposed(lay):
+        out = align_columns(lay, sc)
+        alone = {op: {p for ((o, p),) in (c.plans for c in out if len(c.plans) == 1) if o == op} for op in (q0, q1)}
+        together = [dict(c.plans) for c in out if {q0, q1} <= {op for op, _ in c.plans}]
+        return alone, together
+
+    alone, together = proposed(layout)
+    assert alone[q0] and alone[q0] == alone[q1]
+    assert [set(c) for c in together] == [{q0, q1}] * len(alone[q0])
+    assert {c[q0] for c in together} == alone[q0] and all(c[q0] == c[q1] for c in together)
+    other = dict(layout, ops=dict(layout["ops"], **{str(q1): dict(layout["ops"][str(q1)], plan=min(alone[q1]))}))
+    assert proposed(other)[1] == []
+
+
 def test_estimator_delta_is_the_change_of_the_estimate():
     import random
     sc = _vit_context()
@@ -290,6 +317,42 @@ def test_screening_takes_each_costly_operation_in_turn_a_chunk_at_a_time():
     names = {name for name, ch in proposals if search._weight(ch, base)[1] == top}
     assert len(names) > 1 and names == {proposals[order[n]][0] for n in range(mine[search.SCREEN_CHUNK])
                                         if weighed[n][1] == top}
+
+
+def test_a_weight_sums_the_operations_a_change_touches():
+    """A change of several operations weighs what they cost together (twelve blocks' QKV
+    weigh twelve), and names the costliest of them."""
+    from ipubuild.estimator import Baseline
+    from ipubuild.search import _weight
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    base = Baseline(sc.estimator, layout)
+    a, b = sorted((i for i, t in base.terms.items() if t and t.cycles), key=lambda i: base.terms[i].cycles)[-2:]
+    both = Changes(plans=((a, 0), (b, 0)))
+    assert _weight(both, base) == (base.terms[a].cycles + base.terms[b].cycles, b)
+    assert _weight(Changes(plans=((a, 0),)), base) == (base.terms[a].cycles, a)
+
+
+def test_with_the_exact_headroom_known_only_it_and_the_code_cap_bound_a_layout():
+    """Screening against an evaluated incumbent holds what a layout adds on each tile to the
+    headroom its exact placement left, not to the planning cap on constants; without the
+    headroom the cap still refuses."""
+    from ipubuild.estimator import Baseline
+    sc = _vit_context()
+    est = sc.estimator
+    layout = initial_layout(sc, heuristics())
+    changed = None
+    for ch in heuristics()[0].propose(layout, sc):
+        lay = ch.apply(layout, sc.plans, sc.tile_count)
+        if lay is not None and Baseline(est, layout).compare(lay)[1]:
+            changed = lay
+            break
+    assert changed is not None
+    est.cap = int(Baseline(est, layout).loads.const.max()) - 1     # every layout over the cap
+    plenty = [10 ** 9] * sc.tile_count
+    assert Baseline(est, layout).compare(changed)[1] is False
+    assert Baseline(est, layout, headroom=plenty, code_room=plenty).compare(changed)[1] is True
+    assert Baseline(est, layout, headroom=[-1] * sc.tile_count, code_room=plenty).compare(changed)[1] is False
 
 
 def test_the_earliest_proposal_of_a_layout_speaks_for_it_in_whatever_order_screening_takes():
@@ -585,7 +648,8 @@ def test_the_allowance_placement_keeps_room_for_kernels_reserved_past_one_quantu
 def test_screening_refuses_what_needs_more_than_the_incumbent_left_free_on_a_tile():
     """Given the incumbent's headroom (what its exact storage placement left free on each tile),
     a proposal that would allocate more on some tile than is free there is over memory; with
-    room to spare, screening finds what it finds without it."""
+    room to spare, screening finds what it finds without it, and more: the planning cap on
+    constants, a proxy of the headroom, no longer refuses."""
     from ipubuild.compiler.estimator import Baseline
     sc = _vit_context()
     incumbent = initial_layout(sc, heuristics())
@@ -595,7 +659,10 @@ def test_screening_refuses_what_needs_more_than_the_incumbent_left_free_on_a_til
     roomy = Baseline(sc.estimator, incumbent, [1 << 40] * sc.tile_count)
     none = Baseline(sc.estimator, incumbent, [0] * sc.tile_count)
     fits = [plain.compare(layout)[1] for layout in layouts]
-    assert [roomy.compare(layout)[1] for layout in layouts] == fits
+    spare = [roomy.compare(layout)[1] for layout in layouts]
+    assert not any(f and not r for f, r in zip(fits, spare))
+    capped = [int(np.max(Baseline(sc.estimator, layout).loads.const)) > sc.estimator.cap for layout in layouts]
+    assert [r and not c for r, c in zip(spare, capped)] == fits
     tight = [none.compare(layout)[1] for layout in layouts]
     assert sum(fits) > sum(tight) > 0       # some grow a tile's buffers, some do not
     assert not any(t and not f for t, f in zip(tight, fits))

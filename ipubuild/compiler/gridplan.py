@@ -66,10 +66,13 @@ def ranked_grids(graph, op, plans: list[dict], machine: dict, tile_cap: int | No
 
 def aligned_variants(plans: list[dict], chosen: list[int], columns: int) -> list[int]:
     """For each of the ``chosen`` grids of ``plans`` (a matmul's, of ``columns`` output columns),
-    the grids of the same rows and K-slices whose column count is the nearest below and above
-    its own that cuts the columns into whole 32-column blocks (``operators.aligned_counts``).
-    The closed-form estimate does not see that a reader of a few columns then takes each block
-    in one transfer, not one a row; the estimator does, given the plans to judge."""
+    the grids of the same K-slices whose column count is the nearest below and above its own
+    that cuts the columns into whole 32-column blocks (``operators.aligned_counts``): with its
+    own row count, and with the row counts that keep its rows × columns nearest, below and
+    above (ViT-B/16's QKV on 2 × 64 × 8 goes to 4 × 36 × 8, heads of 64 columns on about as
+    many tiles, not only to 2 × 36 × 8 on half of them). The closed-form estimate does not see
+    that a reader of a few columns then takes each block in one transfer, not one a row; the
+    estimator does, given the plans to judge."""
     by_grid = {(p["m"], p["n"], p["k"]): i for i, p in enumerate(plans) if all(d in p for d in "mnk")}
     counts = set(aligned_counts(columns, columns))
     out = []
@@ -78,5 +81,9 @@ def aligned_variants(plans: list[dict], chosen: list[int], columns: int) -> list
         aligned = sorted(c for (mm, c, kk) in by_grid if (mm, kk) == (m, k) and c in counts)
         below = [c for c in aligned if c <= n]
         above = [c for c in aligned if c > n]
-        out += [by_grid[m, c, k] for c in (below[-1:] + above[:1])]
+        for c in below[-1:] + above[:1]:
+            rows = sorted(r for (r, cc, kk) in by_grid if (cc, kk) == (c, k))
+            fewer = [r for r in rows if r * c <= m * n]
+            more = [r for r in rows if r * c > m * n]
+            out += [by_grid[r, c, k] for r in {m, *fewer[-1:], *more[:1]}]
     return sorted(set(out) - set(chosen))

@@ -544,10 +544,13 @@ def _check_fits(graph, tiles: int, machine: dict, where: str) -> None:
 
 
 def _weight(ch: Changes, baseline: Baseline) -> tuple[int, int | None]:
-    """The incumbent's estimate of the costliest operation a change touches, and that operation."""
+    """The incumbent's estimates of the operations a change touches, summed (what it could
+    save at most: a change of twelve blocks' matmuls weighs twelve), and the costliest of them."""
     terms = baseline.terms
-    return max(((terms[op].cycles, op) for op, _ in (*ch.plans, *ch.boundaries) if terms.get(op) is not None),
-               default=(0, None))
+    touched = {op for op, _ in (*ch.plans, *ch.boundaries) if terms.get(op) is not None}
+    if not touched:
+        return 0, None
+    return sum(terms[op].cycles for op in touched), max(touched, key=lambda op: (terms[op].cycles, op))
 
 
 #: how many of one heuristic's proposals for one operation screening takes before it turns to
@@ -556,8 +559,8 @@ SCREEN_CHUNK = 32
 
 
 def _screening_order(proposals: list, baseline: Baseline) -> list[int]:
-    """The proposals' indices in the order screening takes them: by the operation each one's
-    cost is weighed by (``_weight``), costliest first, ``SCREEN_CHUNK`` of each heuristic's
+    """The proposals' indices in the order screening takes them: by what each one touches
+    (``_weight``), costliest first, ``SCREEN_CHUNK`` of each heuristic's
     proposals for an operation at a time (in the order proposed), so that a budget spent before
     the end reaches more operations, and more heuristics, than the one with the most plans
     (on ViT-B/16 one matmul's 305 re-plans spent a round's whole budget)."""
