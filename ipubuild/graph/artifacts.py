@@ -169,9 +169,10 @@ def code_ranks(codes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     dense = buffer_kinds(codes) * span + numbers             # a buffer's kind and number
     low = int(dense.min())
     dense -= low
-    if int(dense.max()) >= _RANK_TABLE_MAX:      # buffers too far apart for a table of them
+    top = int(dense.max())
+    if top >= _RANK_TABLE_MAX:                  # buffers too far apart for a table of them
         return np.unique(codes, return_inverse=True)
-    seen = np.zeros(int(dense.max()) + 1, bool)
+    seen = np.zeros(top + 1, bool)
     seen[dense] = True
     present = np.flatnonzero(seen)
     found = buffer_codes_of((present + low) // span, (present + low) % span)
