@@ -240,6 +240,24 @@ def test_bad_member_checksum(valid, member):
     reject(bytes(bad), rf"^bad checksum of member {name}$")
 
 
+def test_bytes_verified_by_their_content_address_are_not_hashed_again(valid):
+    """A build's device run reads the package from the store, which verified its sha256: the
+    members' checksums are not hashed again (ViT-B/16's 426 MB of members and data segments,
+    twice). Only hashing is skipped: a structural fault is still refused."""
+    manifest, members, data = valid
+    from ipubuild.device.package import validated
+    _, _, m = parts(data)
+    name, off, size, _ = next(e for e in m["members"] if e[0].startswith("kernels/x.so"))
+    flipped = bytearray(data)
+    flipped[off + size - 1] ^= 0x40          # bytes no store would hand out under this digest
+    pkg = validated(bytes(flipped), "verified", canonical.digest(bytes(flipped)))
+    assert pkg.member(name) != KERNEL
+    with pytest.raises(PackageError, match="bad checksum of member"):
+        validated(bytes(flipped), "unverified")
+    with pytest.raises(PackageError, match="truncated"):
+        validated(data[:-1], "verified", canonical.digest(data[:-1]))
+
+
 def test_overlapping_members(valid):
     manifest, members, _ = valid
 

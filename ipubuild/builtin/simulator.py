@@ -431,29 +431,30 @@ def _exchanges(tables: list, n_steps: int, bounds: tuple) -> tuple["_StepRows", 
         raise UserError("package", f"an exchange entry names step {int(steps[np.argmax(bad)])} of a run of {n_steps}: "
                         "the package is corrupt")
     row_steps = np.concatenate([s[entry] for s, _, entry in tables] + [np.zeros(0, np.int64)])
-    rows = np.concatenate([r for _, r, _ in tables] + [np.zeros((0, 8), np.int64)])
-    found = exchange_copy.order_by_step(row_steps, n_steps)
+    found = exchange_copy.rows_by_step([r for _, r, _ in tables], row_steps, n_steps)
     if found is None:
         order = np.argsort(row_steps, kind="stable")
-        found = order, np.searchsorted(row_steps[order], np.arange(n_steps + 1))
-    entries = _StepRows(rows, *found)
-    outside = np.flatnonzero(~_inside(rows, bounds).all(axis=0))
-    failures = {s: exchange_outside(entries[s], bounds) for s in sorted(set(row_steps[outside].tolist()))}
+        rows = np.concatenate([r for _, r, _ in tables] + [np.zeros((0, 8), np.int64)])
+        found = rows[order], np.searchsorted(row_steps[order], np.arange(n_steps + 1))
+    entries = _StepRows(*found)
+    outside = np.flatnonzero(~_inside(entries.rows, bounds).all(axis=0))
+    failed_steps = np.searchsorted(found[1], outside, side="right") - 1
+    failures = {s: exchange_outside(entries[s], bounds) for s in sorted(set(failed_steps.tolist()))}
     return entries, failures
 
 
 class _StepRows:
-    """Each step's exchange rows, ``entries[s]``: ``rows`` (tile order) gathered by ``order``
-    between ``at[s]`` and ``at[s + 1]`` when the step runs."""
+    """Each step's exchange rows, ``entries[s]``: ``rows`` (in step order) between ``at[s]`` and
+    ``at[s + 1]``."""
 
-    def __init__(self, rows: np.ndarray, order: np.ndarray, at: np.ndarray):
-        self.rows, self.order, self.at = rows, order, at.tolist()
+    def __init__(self, rows: np.ndarray, at: np.ndarray):
+        self.rows, self.at = rows, at.tolist()
 
     def __len__(self) -> int:
         return len(self.at) - 1
 
     def __getitem__(self, s: int) -> np.ndarray:
-        return self.rows[self.order[self.at[s]:self.at[s + 1]]]
+        return self.rows[self.at[s]:self.at[s + 1]]
 
 
 def run_exchange(memory: np.ndarray, row_of: np.ndarray, entries, pool=None) -> None:

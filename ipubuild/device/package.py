@@ -392,10 +392,16 @@ class Package:
 
     ``images`` maps each tile image's digest to ``(header, {array name: bytes})``; the data
     segments' arrays (``data@<address>``) are memoryviews of the package's bytes, not copies.
+
+    ``content_verified``: the caller checked the whole bytes against their content address (the
+    store does on every read). The members' and segments' own checksums are then not hashed
+    again: they detect corruption, which that check already rules out, and a crafted package can
+    carry consistent checksums, so they never defended against one. Everything else is checked.
     """
 
-    def __init__(self, data: bytes, where: str = "package"):
+    def __init__(self, data: bytes, where: str = "package", content_verified: bool = False):
         self.data, self.where = data, where
+        self._hash_parts = not content_verified
         self._data_view = memoryview(data)
         self.manifest = self._check()
 
@@ -503,9 +509,11 @@ class Package:
 
     def _check_digests(self, expected: list) -> None:
         """Each ``(bytes, digest, message)``: fails with the first message whose bytes do not hash
-        to their digest. hashlib lets go of the GIL on large buffers, so two threads hash them (a
-        ViT-B/16 package's 426 MB), each a half of the bytes (a task per item would cost more than
-        hashing the small ones)."""
+        to their digest (unless the whole bytes were verified). hashlib lets go of the GIL on large
+        buffers, so two threads hash them (a ViT-B/16 package's 426 MB), each a half of the bytes
+        (a task per item would cost more than hashing the small ones)."""
+        if not self._hash_parts:
+            return
         sizes = np.cumsum([len(item[0]) for item in expected])
         half = int(np.searchsorted(sizes, sizes[-1] / 2)) + 1 if len(expected) else 0
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -619,7 +627,7 @@ class Package:
                            else f"bad checksum of data segment {name} of {what}")
             if kind == "data":      # no later check reads data: hashed with every image's at the end
                 self._data_digests.append((arrays[key], sd, f"bad checksum of data segment {name} of {what}"))
-            elif canonical.digest(arrays[key]) != sd:
+            elif self._hash_parts and canonical.digest(arrays[key]) != sd:
                 self._fail(f"bad checksum of the {kind} segment of {what}")
             if len(arrays[key]) != size:
                 self._fail(f"{kind} segment {name} of {what} holds {len(arrays[key])} bytes, not {size}")
@@ -784,12 +792,13 @@ def validated(data: bytes, where: str = "package", digest: str | None = None) ->
     """``Package(data, where)``, validated once per process for the same bytes (the device run
     and the kernel measurement of one build read the same package): the last one is kept, found
     again by the bytes object itself or by their sha256 — ``digest`` if the caller knows it (the
-    store verified it when it read them), else computed."""
+    store verified it when it read them), else computed. Bytes given with their ``digest`` are
+    ``content_verified``: their members' checksums are not hashed again."""
     found = _validated.get(where)
     if found is not None and (found[2] is data or (digest or _sha256(data)) == found[0]):
         _validated[where] = (found[0], found[1], data)      # these bytes are found by identity next time
         return found[1]
-    pkg = Package(data, where)
+    pkg = Package(data, where, content_verified=digest is not None)
     _validated.clear()
     _validated[where] = (digest or _sha256(data), pkg, data)
     return pkg
