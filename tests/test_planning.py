@@ -686,6 +686,19 @@ def test_aligned_variants_keep_about_as_many_tiles():
     assert found == {(2, 36, 8), (4, 36, 8), (1, 72, 8), (2, 72, 8)}, found
 
 
+def test_neighbour_grids_trade_one_count_for_another():
+    """One trade from 2 × 46 × 16: twice the rows for half the columns (4 × 23 × 16, the
+    nearest such grid, not 8 × 11 × 16), twice the columns or rows for half the K-slices; the
+    third count kept, aligned grids and other plans left out, and only where such a grid exists."""
+    from ipubuild.compiler.gridplan import neighbour_grids
+    plans = [{"m": 2, "n": 46, "k": 16}, {"m": 4, "n": 23, "k": 16}, {"m": 4, "n": 24, "k": 16, "aligned": True},
+             {"m": 2, "n": 92, "k": 8}, {"m": 8, "n": 11, "k": 16}, {"m": 4, "n": 46, "k": 8}, {"rows": 3},
+             {"m": 3, "n": 46, "k": 8}, {"m": 1, "n": 46, "k": 32}]
+    assert neighbour_grids(plans, 0) == [1, 3, 5, 8]
+    assert neighbour_grids(plans, 6) == []
+    assert neighbour_grids(plans, 2) == []          # no other aligned grid
+
+
 def test_head_aligned_qkv_blocks_cut_the_attention_scores_exchange(vit_graph):
     """The attention scores read each head's K columns of the fused QKV: from 36-column blocks a
     head's 64 columns cross a block edge, so every row is a transfer of its own (a setup each);

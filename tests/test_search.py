@@ -197,6 +197,29 @@ def test_align_columns_moves_the_matmuls_alike_together():
     assert proposed(other)[1] == []
 
 
+def test_reshape_alike_moves_the_matmuls_alike_together_one_trade_away():
+    """Two blocks' fc2 (the same shapes, plans and plan) go together to the grid one trade from
+    theirs that the closed-form estimate ranks cheapest, and only together; once one is on
+    another plan they are not alike."""
+    from ipubuild.builtin.heuristics import reshape_alike
+    from ipubuild.compiler.gridplan import grid_cost, neighbour_grids
+    from ipubuild.compiler.planning.program import default_layout
+    target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
+    target["model"]["blocks"] = 2
+    sc = SearchContext(build_model(get_plugin_manager(), target).graph, 64, load_machine("ipu21"))
+    layout = default_layout(sc.graph, 64)
+    ops = {op.name: op.id for op in sc.graph.ops}
+    f0, f1 = ops["block0.fc2"], ops["block1.fc2"]
+    plans, mine = sc.plans[f0], layout["ops"][str(f0)]["plan"]
+    cost = lambda p: grid_cost(sc.graph, sc.graph.ops[f0], plans[p], sc.machine)[0]  # noqa: E731
+    best = min(neighbour_grids(plans, mine), key=lambda p: (cost(p), p))
+    assert cost(best) < cost(mine)
+    together = [dict(c.plans) for c in reshape_alike(layout, sc) if f0 in dict(c.plans)]
+    assert together == [{f0: best, f1: best}]
+    other = dict(layout, ops=dict(layout["ops"], **{str(f1): dict(layout["ops"][str(f1)], plan=best)}))
+    assert not [c for c in reshape_alike(other, sc) if f0 in dict(c.plans)]
+
+
 def test_estimator_delta_is_the_change_of_the_estimate():
     import random
     sc = _vit_context()

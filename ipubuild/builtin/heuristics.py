@@ -2,12 +2,13 @@
 producers' blocks, align a chain of row-wise operations on one plan, move an operation's tiles
 onto its producer's, descend: re-plan several coupled operations together along the
 estimator's steepest path, regrid: put a matmul on the grids a closed-form estimate ranks best,
-and align_columns: on the grids whose column blocks are whole 32-column blocks (one matmul, or
-all those alike at once)."""
+align_columns: on the grids whose column blocks are whole 32-column blocks (one matmul, or
+all those alike at once), and reshape_alike: all the matmuls alike on the grid one trade from
+theirs that a closed-form estimate ranks best."""
 from __future__ import annotations
 
 from .. import hookimpl
-from ..compiler.gridplan import aligned_variants, ranked_grids
+from ..compiler.gridplan import aligned_variants, grid_cost, neighbour_grids, ranked_grids
 from ..compiler.search import Changes, Heuristic
 
 #: how many single re-plans one descent chains at most
@@ -152,6 +153,26 @@ def align_columns(layout, sc):
     return out
 
 
+def reshape_alike(layout, sc):
+    """All the matmuls alike (``_alike``: a network's repeated blocks) at once on the grid one
+    trade from theirs (``gridplan.neighbour_grids``: twice the rows for half the columns, and
+    so on) that the closed-form estimate (``gridplan.grid_cost``) finds cheapest, if it finds
+    it cheaper than theirs. ``replan`` proposes each block's grids one block at a time, and one
+    block's gain is a twelfth of ViT-B/16's: a round shortlists a few changes, and never got to
+    the rest. One proposal a group: each screens a dozen operations, from a budget that all the
+    heuristics share."""
+    out = []
+    for group in _alike(layout, sc, "matmul"):
+        if len(group) > 1:
+            op, plans = sc.graph.ops[group[0]], sc.plans[group[0]]
+            mine = layout["ops"][str(op.id)]["plan"]
+            cost = lambda p: grid_cost(sc.graph, op, plans[p], sc.machine)[0]  # noqa: E731
+            best = min(neighbour_grids(plans, mine), key=lambda p: (cost(p), p), default=None)
+            if best is not None and cost(best) < cost(mine):
+                out.append(Changes(plans=tuple((i, best) for i in group)))
+    return out
+
+
 def _alike(layout, sc, kind: str) -> list[list[int]]:
     """The operations of type ``kind`` in groups of those alike: the same inputs' and outputs'
     shapes and types, the same plans, and the same plan in ``layout``; in program order."""
@@ -185,4 +206,4 @@ def ipubuild_search_heuristics():
     return [Heuristic("replan", replan), Heuristic("align_columns", align_columns),
             Heuristic("take_producer_blocks", take_producer_blocks),
             Heuristic("align_chains", align_chains), Heuristic("follow_producer", follow_producer),
-            Heuristic("descend", descend), Heuristic("regrid", regrid)]
+            Heuristic("descend", descend), Heuristic("regrid", regrid), Heuristic("reshape_alike", reshape_alike)]

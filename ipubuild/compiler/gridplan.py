@@ -87,3 +87,32 @@ def aligned_variants(plans: list[dict], chosen: list[int], columns: int) -> list
             more = [r for r in rows if r * c > m * n]
             out += [by_grid[r, c, k] for r in {m, *fewer[-1:], *more[:1]}]
     return sorted(set(out) - set(chosen))
+
+
+def neighbour_grids(plans: list[dict], chosen: int) -> list[int]:
+    """The grids of ``plans`` (a matmul's) one trade from grid ``chosen``: about twice as many
+    of one of rows, columns and K-slices for about half as many of another, the third kept
+    (2 × 46 × 16 gives 4 × 23 × 16, 2 × 92 × 8, 4 × 46 × 8, ...). Each trade takes the grid
+    nearest its target (in factors of two) that moves both counts the way it says; aligned grids
+    trade among aligned ones."""
+    import math
+    mine = plans[chosen]
+    if not all(d in mine for d in "mnk"):
+        return []
+    grids = [(i, p) for i, p in enumerate(plans) if all(d in p for d in "mnk")
+             and bool(p.get("aligned")) == bool(mine.get("aligned"))]
+    out = set()
+    for up in range(3):
+        for down in range(3):
+            if up == down:
+                continue
+            keep = 3 - up - down
+            target = [math.log2(mine[d]) for d in "mnk"]
+            target[up] += 1
+            target[down] -= 1
+            near = [(sum(abs(math.log2(p[d]) - t) for d, t in zip("mnk", target)), i) for i, p in grids
+                    if p["mnk"[keep]] == mine["mnk"[keep]] and p["mnk"[up]] > mine["mnk"[up]]
+                    and p["mnk"[down]] < mine["mnk"[down]]]
+            if near:
+                out.add(min(near)[1])
+    return sorted(out)
