@@ -171,16 +171,20 @@ def _vit_context():
     return SearchContext(model.graph, 64, load_machine("ipu21"))
 
 
-def test_align_columns_moves_the_matmuls_alike_together():
-    """Two blocks' QKV (the same shapes, plans and plan) go to each aligned grid in one proposal
-    as well as one at a time; a QKV on another plan is not alike."""
-    from ipubuild.builtin.heuristics import align_columns
+def _two_block_vit():
+    """vit_fp8 with two blocks on 64 tiles: its search context, default layout and operation ids by name."""
     from ipubuild.compiler.planning.program import default_layout
     target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
     target["model"]["blocks"] = 2
     sc = SearchContext(build_model(get_plugin_manager(), target).graph, 64, load_machine("ipu21"))
-    layout = default_layout(sc.graph, 64)
-    ops = {op.name: op.id for op in sc.graph.ops}
+    return sc, default_layout(sc.graph, 64), {op.name: op.id for op in sc.graph.ops}
+
+
+def test_align_columns_moves_the_matmuls_alike_together():
+    """Two blocks' QKV (the same shapes, plans and plan) go to each aligned grid in one proposal
+    as well as one at a time; a QKV on another plan is not alike."""
+    from ipubuild.builtin.heuristics import align_columns
+    sc, layout, ops = _two_block_vit()
     q0, q1 = ops["block0.qkv"], ops["block1.qkv"]
 
     def proposed(lay):
@@ -203,12 +207,7 @@ def test_reshape_alike_moves_the_matmuls_alike_together_one_trade_away():
     another plan they are not alike."""
     from ipubuild.builtin.heuristics import reshape_alike
     from ipubuild.compiler.gridplan import grid_cost, neighbour_grids
-    from ipubuild.compiler.planning.program import default_layout
-    target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
-    target["model"]["blocks"] = 2
-    sc = SearchContext(build_model(get_plugin_manager(), target).graph, 64, load_machine("ipu21"))
-    layout = default_layout(sc.graph, 64)
-    ops = {op.name: op.id for op in sc.graph.ops}
+    sc, layout, ops = _two_block_vit()
     f0, f1 = ops["block0.fc2"], ops["block1.fc2"]
     plans, mine = sc.plans[f0], layout["ops"][str(f0)]["plan"]
     cost = lambda p: grid_cost(sc.graph, sc.graph.ops[f0], plans[p], sc.machine)[0]  # noqa: E731
