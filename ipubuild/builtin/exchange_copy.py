@@ -204,7 +204,6 @@ void xc_inside(int64_t n, const int64_t *e, int64_t tiles, int64_t k, const int6
     }
 }
 
-/* entries (rows of 8) ordered by step, stably: bounds[s] is where step s's begin (n_steps + 1 of them) */
 /* the rows of `tables` tables (table t: counts[t] rows of 8 int64 at rows[t]) into `out` in step
  * order (stable), step[i] being the step of the i-th row in table order; bounds[s]: where step s
  * begins in `out` (n_steps + 1 of them) */

@@ -10,6 +10,8 @@ pick which of a matmul's several hundred grids to estimate at all.
 """
 from __future__ import annotations
 
+import math
+
 from ..graph.operators import aligned_counts, ceil_div
 
 
@@ -95,7 +97,6 @@ def neighbour_grids(plans: list[dict], chosen: int) -> list[int]:
     (2 × 46 × 16 gives 4 × 23 × 16, 2 × 92 × 8, 4 × 46 × 8, ...). Each trade takes the grid
     nearest its target (in factors of two) that moves both counts the way it says; aligned grids
     trade among aligned ones."""
-    import math
     mine = plans[chosen]
     if not all(d in mine for d in "mnk"):
         return []
