@@ -10,6 +10,7 @@ pick which of a matmul's several hundred grids to estimate at all.
 """
 from __future__ import annotations
 
+import itertools
 import math
 
 from ..graph.operators import aligned_counts, ceil_div
@@ -100,20 +101,14 @@ def neighbour_grids(plans: list[dict], chosen: int) -> list[int]:
     mine = plans[chosen]
     if not all(d in mine for d in "mnk"):
         return []
-    grids = [(i, p) for i, p in enumerate(plans) if all(d in p for d in "mnk")
-             and bool(p.get("aligned")) == bool(mine.get("aligned"))]
+    counts = {i: (p["m"], p["n"], p["k"]) for i, p in enumerate(plans)
+              if all(d in p for d in "mnk") and bool(p.get("aligned")) == bool(mine.get("aligned"))}
+    own = counts[chosen]
     out = set()
-    for up in range(3):
-        for down in range(3):
-            if up == down:
-                continue
-            keep = 3 - up - down
-            target = [math.log2(mine[d]) for d in "mnk"]
-            target[up] += 1
-            target[down] -= 1
-            near = [(sum(abs(math.log2(p[d]) - t) for d, t in zip("mnk", target)), i) for i, p in grids
-                    if p["mnk"[keep]] == mine["mnk"[keep]] and p["mnk"[up]] > mine["mnk"[up]]
-                    and p["mnk"[down]] < mine["mnk"[down]]]
-            if near:
-                out.add(min(near)[1])
+    for up, down in itertools.permutations(range(3), 2):
+        target = [math.log2(c) + (d == up) - (d == down) for d, c in enumerate(own)]
+        near = [(sum(abs(math.log2(c) - t) for c, t in zip(g, target)), i) for i, g in counts.items()
+                if g[3 - up - down] == own[3 - up - down] and g[up] > own[up] and g[down] < own[down]]
+        if near:
+            out.add(min(near)[1])
     return sorted(out)
