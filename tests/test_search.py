@@ -171,11 +171,12 @@ def _vit_context():
     return SearchContext(model.graph, 64, load_machine("ipu21"))
 
 
-def _two_block_vit():
-    """vit_fp8 with two blocks on 64 tiles: its search context, default layout and operation ids by name."""
+def _two_block_vit(blocks=2):
+    """vit_fp8 with two blocks (or ``blocks``) on 64 tiles: its search context, default layout
+    and operation ids by name."""
     from ipubuild.compiler.planning.program import default_layout
     target = load_target(str(ROOT / "targets" / "vit_fp8.toml"))
-    target["model"]["blocks"] = 2
+    target["model"]["blocks"] = blocks
     sc = SearchContext(build_model(get_plugin_manager(), target).graph, 64, load_machine("ipu21"))
     return sc, default_layout(sc.graph, 64), {op.name: op.id for op in sc.graph.ops}
 
@@ -204,7 +205,8 @@ def test_align_columns_moves_the_matmuls_alike_together():
 def test_reshape_alike_moves_the_matmuls_alike_together_one_trade_away():
     """Two blocks' fc2 (the same shapes, plans and plan) go together to the grid one trade from
     theirs that the closed-form estimate ranks cheapest, and only together; once one is on
-    another plan they are not alike."""
+    another plan they are not alike, and the one proposal left for them is both on that trade
+    of the lower-numbered plan (a tie for the plan most of them are on)."""
     from ipubuild.builtin.heuristics import reshape_alike
     from ipubuild.compiler.gridplan import grid_cost, neighbour_grids
     sc, layout, ops = _two_block_vit()
@@ -216,7 +218,27 @@ def test_reshape_alike_moves_the_matmuls_alike_together_one_trade_away():
     together = [dict(c.plans) for c in reshape_alike(layout, sc) if f0 in dict(c.plans)]
     assert together == [{f0: best, f1: best}]
     other = dict(layout, ops=dict(layout["ops"], **{str(f1): dict(layout["ops"][str(f1)], plan=best)}))
-    assert not [c for c in reshape_alike(other, sc) if f0 in dict(c.plans)]
+    low = min(mine, best)
+    trade = min(neighbour_grids(plans, low), key=lambda p: (cost(p), p))
+    want = [{f0: trade, f1: trade}] if cost(trade) < cost(low) else []
+    assert [dict(c.plans) for c in reshape_alike(other, sc) if f0 in dict(c.plans)] == want
+
+
+def test_reshape_alike_brings_the_blocks_that_went_their_own_way_onto_the_trade():
+    """Three blocks' fc2, two on one plan and one on another: the two alike go to their best
+    trade, and one more proposal takes all three there (the third block's grid may be what
+    holds the memory the trade needs)."""
+    from ipubuild.builtin.heuristics import reshape_alike
+    from ipubuild.compiler.gridplan import grid_cost, neighbour_grids
+    sc, layout, ops = _two_block_vit(blocks=3)
+    f0, f1, f2 = ops["block0.fc2"], ops["block1.fc2"], ops["block2.fc2"]
+    plans, mine = sc.plans[f0], layout["ops"][str(f0)]["plan"]
+    cost = lambda p: grid_cost(sc.graph, sc.graph.ops[f0], plans[p], sc.machine)[0]  # noqa: E731
+    best = min(neighbour_grids(plans, mine), key=lambda p: (cost(p), p))
+    elsewhere = next(p for p in range(len(plans)) if p not in (mine, best) and "follow" not in plans[p])
+    layout = dict(layout, ops=dict(layout["ops"], **{str(f2): dict(layout["ops"][str(f2)], plan=elsewhere)}))
+    proposed = [dict(c.plans) for c in reshape_alike(layout, sc) if {f0, f1, f2} & set(dict(c.plans))]
+    assert proposed == [{f0: best, f1: best}, {f0: best, f1: best, f2: best}]
 
 
 def test_estimator_delta_is_the_change_of_the_estimate():

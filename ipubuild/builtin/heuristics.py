@@ -160,28 +160,49 @@ def reshape_alike(layout, sc):
     it cheaper than theirs. ``replan`` proposes each block's grids one block at a time, and one
     block's gain is a twelfth of ViT-B/16's: a round shortlists a few changes, and never got to
     the rest. One proposal a group: each screens a dozen operations, from a budget that all the
-    heuristics share."""
+    heuristics share.
+
+    Where matmuls of the same shapes are on different grids (a few blocks that earlier rounds
+    moved on their own), one more proposal moves them all onto that trade of the grid most of
+    them are on: the blocks that went their own way often hold the memory (their grids keep
+    more copies of their weights) that the trade needs."""
     out = []
     for group in _alike(layout, sc, "matmul"):
         if len(group) > 1:
-            op, plans = sc.graph.ops[group[0]], sc.plans[group[0]]
-            mine = layout["ops"][str(op.id)]["plan"]
-            cost = lambda p: grid_cost(sc.graph, op, plans[p], sc.machine)[0]  # noqa: E731
-            best = min(neighbour_grids(plans, mine), key=lambda p: (cost(p), p), default=None)
-            if best is not None and cost(best) < cost(mine):
+            best = _best_trade(layout, sc, group)
+            if best is not None:
                 out.append(Changes(plans=tuple((i, best) for i in group)))
+    for kin in _alike(layout, sc, "matmul", by_plan=False):
+        plans = [layout["ops"][str(i)]["plan"] for i in kin]
+        if len(set(plans)) > 1:
+            most = min(set(plans), key=lambda p: (-plans.count(p), p))
+            best = _best_trade(layout, sc, [i for i, p in zip(kin, plans) if p == most])
+            if best is not None:
+                out.append(Changes(plans=tuple((i, best) for i in kin)))
     return out
 
 
-def _alike(layout, sc, kind: str) -> list[list[int]]:
+def _best_trade(layout, sc, group) -> int | None:
+    """The plan one trade from ``group``'s (all on one plan) that ``grid_cost`` ranks cheapest,
+    if it ranks it cheaper than theirs."""
+    op, plans = sc.graph.ops[group[0]], sc.plans[group[0]]
+    mine = layout["ops"][str(op.id)]["plan"]
+    cost = lambda p: grid_cost(sc.graph, op, plans[p], sc.machine)[0]  # noqa: E731
+    best = min(neighbour_grids(plans, mine), key=lambda p: (cost(p), p), default=None)
+    return best if best is not None and cost(best) < cost(mine) else None
+
+
+def _alike(layout, sc, kind: str, *, by_plan: bool = True) -> list[list[int]]:
     """The operations of type ``kind`` in groups of those alike: the same inputs' and outputs'
-    shapes and types, the same plans, and the same plan in ``layout``; in program order."""
+    shapes and types, the same plans, and (``by_plan``) the same plan in ``layout``; in program
+    order."""
     groups: dict = {}
     for op in sc.graph.ops:
         if op.type == kind:
             shapes = tuple((sc.graph.values[v].shape, sc.graph.values[v].dtype) for v in (*op.inputs, *op.outputs))
             plans = tuple(tuple(sorted(p.items())) for p in sc.plans[op.id])
-            groups.setdefault((shapes, plans, layout["ops"][str(op.id)]["plan"]), []).append(op.id)
+            chosen = layout["ops"][str(op.id)]["plan"] if by_plan else None
+            groups.setdefault((shapes, plans, chosen), []).append(op.id)
     return sorted(groups.values())
 
 
