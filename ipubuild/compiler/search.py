@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import dataclasses
+import gc
 import multiprocessing
 import numbers
 import os
@@ -227,19 +228,23 @@ class Pool:
         return self._map_here(jobs)
 
     def start(self) -> None:
-        """Fork the workers now: before screening, whose estimates grow this process by
-        gigabytes at scale that the workers would inherit and never use (forked workers all start
-        at the first job)."""
+        """Fork the workers now, before the search builds its estimator and evaluates its
+        incumbent: what this process holds then, the workers inherit and never use, and on
+        ViT-B/16 that was gigabytes each (forked workers all start at the first job)."""
         if self.workers > 1 and self.executor is None and executors.scheduler() is None:
             executors.settle()      # the counted kernel builds compile_kernels left running
-            self.executor = concurrent.futures.ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=multiprocessing.get_context("fork"),
-                initializer=_worker_started)
-            self.executor.submit(int).result()
-            # the incumbent's values (a gigabyte on ViT-B/16) are the workers' now: this process
-            # only screens until the search ends, and then reads what it needs from the store
+            # values decoded by earlier phases are in the store: readers read them from there
             _worker["engine"].forget_values()
             give_back_memory()
+            gc.collect()
+            gc.freeze()             # the collector would touch, and so copy, every inherited object's page
+            try:
+                self.executor = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=self.workers, mp_context=multiprocessing.get_context("fork"),
+                    initializer=_worker_started)
+                self.executor.submit(int).result()
+            finally:
+                gc.unfreeze()
 
     def _map_here(self, jobs: list[tuple]) -> list[dict]:
         if self.workers > 1 and self.executor is None:
@@ -378,15 +383,17 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
     tiles = ctx.config["target"]["tile_count"]
     machine = machine_of(ctx)
     _check_fits(graph, tiles, machine, ctx.config["path"])
-    sc = SearchContext(graph, tiles, machine, ctx.json("reservations"))
     base = {k: ctx.digest(k) for k in ("graph", "machine", "runtime", "reservations")}
     key = ctx.engine.action_key(ctx.phase, ctx.input_digests, ctx.config)
     path = state_path(ctx)
     policy = str(graph.cast_storage)
     found = heuristics()
+    state = _load(path, key)
     pool = Pool(cfg["workers"], ctx.engine, base, ctx.config)
+    if state is None or state["round"] < cfg["rounds"]:      # it will screen
+        pool.start()
+    sc = SearchContext(graph, tiles, machine, ctx.json("reservations"))
     try:
-        state = _load(path, key)
         resuming = state is not None
         if resuming:
             try:
@@ -410,8 +417,11 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
         cycles, room = result["cycles"], rooms(result)
         log.info("validated search incumbent", cycles=cycles, resuming=resuming)
         sc.estimator.forget(keep=incumbent)
-        if not resuming or state["round"] < cfg["rounds"]:      # it will screen
-            pool.start()
+        if pool.executor is not None:
+            # the incumbent's values (a gigabyte on ViT-B/16): the workers evaluate; this process
+            # only screens until the search ends, and then reads what it needs from the store
+            ctx.engine.forget_values()
+            give_back_memory()
         if not resuming:
             # the first save comes after the tile-mapping screen, so a resumed search never
             # skips a step an uninterrupted one takes
