@@ -241,6 +241,24 @@ def test_reshape_alike_brings_the_blocks_that_went_their_own_way_onto_the_trade(
     assert proposed == [{f0: best, f1: best}, {f0: best, f1: best, f2: best}]
 
 
+def test_a_resolver_keeps_its_recent_lowerings_and_remakes_the_others_the_same(monkeypatch):
+    """A search's screening asks for thousands of lowerings (gigabytes on ViT-B/16): a resolver
+    keeps the ``LOWERINGS_KEPT`` most recently asked for, and makes one it let go again, equal."""
+    from ipubuild.compiler.planning import program
+    monkeypatch.setattr(program, "LOWERINGS_KEPT", 4)
+    sc = _vit_context()
+    resolver = program.PlanResolver(sc.graph, 64, sc.plans)
+    op = next(o for o in sc.graph.ops if o.type == "matmul")
+    choices = [(i,) for i, p in enumerate(sc.plans[op.id]) if "follow" not in p][:8]
+    first = [resolver.lowering(op, c) for c in choices[:4]]
+    assert resolver.lowering(op, choices[0]) is first[0]           # kept, and now the most recent
+    later = [resolver.lowering(op, c) for c in choices[4:7]]
+    assert len(resolver._lowered) == 4
+    assert resolver.lowering(op, choices[0]) is first[0]
+    assert resolver.lowering(op, choices[1]) == first[1] and resolver.lowering(op, choices[1]) is not first[1]
+    assert later[-1] is resolver.lowering(op, choices[6])
+
+
 def test_estimator_delta_is_the_change_of_the_estimate():
     import random
     sc = _vit_context()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import threading
 from array import array
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import NamedTuple
 
 import numpy as np
@@ -159,6 +159,12 @@ def plans_of(graph: Graph, tile_count: int) -> dict[int, list[dict]]:
     return {op.id: reg.get(op.type).plans(graph, op, tile_count) for op in graph.ops}
 
 
+#: how many lowerings a resolver keeps (the least recently asked for go first): one of
+#: ViT-B/16's matmuls takes about 1.4 MB as Python objects, and a search round's screening asked
+#: for thousands, which grew the searching process by 4 GB (the terms made from them are kept)
+LOWERINGS_KEPT = 512
+
+
 class PlanResolver:
     """What a layout makes of each operation's plans: a concrete plan and a tile offset.
 
@@ -176,7 +182,8 @@ class PlanResolver:
         self.plans = plans if plans is not None else plans_of(graph, tile_count)
         self.producer = graph.producer()
         self._plan: dict = {}
-        self._lowered: dict = {}
+        self._lowered: OrderedDict = OrderedDict()          # least recently used first
+        self._lowered_lock = threading.Lock()
         self._reads: dict = {}
         self.builds: list = []                  # build_program's last builds (``_Build``)
         self.replayed = 0                       # operations build_program took from a kept build's middle
@@ -217,14 +224,16 @@ class PlanResolver:
         """Forget every concrete plan and lowering but those ``layout`` uses."""
         wanted = {(op_id, choice) for op_id, (choice, _) in self.resolve(layout).items()}
         self._plan = {k: v for k, v in self._plan.items() if k in wanted}
-        self._lowered = {k: v for k, v in self._lowered.items() if k in wanted}
+        with self._lowered_lock:
+            self._lowered = OrderedDict((k, v) for k, v in self._lowered.items() if k in wanted)
 
     def keep_choice(self, op, choice: tuple) -> None:
         """Forget the operation's concrete plans and lowerings but ``choice``'s (a placement that
         has chosen its plan; another is remade, the same, if asked for)."""
-        for table in (self._plan, self._lowered):
-            for k in [k for k in table if k[0] == op.id and k[1] != choice]:
-                del table[k]
+        with self._lowered_lock:
+            for table in (self._plan, self._lowered):
+                for k in [k for k in table if k[0] == op.id and k[1] != choice]:
+                    del table[k]
 
     def plan(self, op, choice: tuple) -> dict:
         """The concrete plan of a choice; ValueError if it follows blocks it cannot follow."""
@@ -246,10 +255,20 @@ class PlanResolver:
         return self._plan[k]
 
     def lowering(self, op, choice: tuple):
+        """The lowering of ``op`` with ``choice``; the ``LOWERINGS_KEPT`` most recently asked
+        for are kept (another is made again, the same, if asked for)."""
         k = (op.id, choice)
-        if k not in self._lowered:
-            self._lowered[k] = self.reg.get(op.type).lower(self.graph, op, self.plan(op, choice))
-        return self._lowered[k]
+        with self._lowered_lock:
+            found = self._lowered.get(k)
+            if found is not None:
+                self._lowered.move_to_end(k)
+                return found
+        found = self.reg.get(op.type).lower(self.graph, op, self.plan(op, choice))
+        with self._lowered_lock:
+            self._lowered[k] = found
+            while len(self._lowered) > LOWERINGS_KEPT:
+                self._lowered.popitem(last=False)
+        return found
 
     def reads(self, op, choice: tuple) -> list[str]:
         """The values (keys) the lowering of ``op`` with ``choice`` reads, sorted."""
