@@ -390,10 +390,10 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
     found = heuristics()
     state = _load(path, key)
     pool = Pool(cfg["workers"], ctx.engine, base, ctx.config)
-    if state is None or state["round"] < cfg["rounds"]:      # it will screen
-        pool.start()
-    sc = SearchContext(graph, tiles, machine, ctx.json("reservations"))
     try:
+        if state is None or state["round"] < cfg["rounds"]:      # it will screen
+            pool.start()
+        sc = SearchContext(graph, tiles, machine, ctx.json("reservations"))
         resuming = state is not None
         if resuming:
             try:
