@@ -160,8 +160,9 @@ def plans_of(graph: Graph, tile_count: int) -> dict[int, list[dict]]:
 
 
 #: how many lowerings a resolver keeps (the least recently asked for go first): one of
-#: ViT-B/16's matmuls takes about 1.4 MB as Python objects, and a search round's screening asked
-#: for thousands, which grew the searching process by 4 GB (the terms made from them are kept)
+#: ViT-B/16's matmuls takes 1.4-12 MB as Python objects (by tracemalloc; the more K-slices, the
+#: more), and those a search round's screening asked for grew the searching process by 4 GB
+#: (the terms made from them are kept)
 LOWERINGS_KEPT = 512
 
 
