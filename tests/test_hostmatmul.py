@@ -35,24 +35,44 @@ print(h.hexdigest())
 """
 
 
-def _numpy_dispatch() -> list[str]:
-    """The instruction sets numpy picks loops by at run time on this machine (past its baseline)."""
+def _umath():
     try:
         from numpy._core import _multiarray_umath as umath
     except ImportError:                     # numpy 1
         from numpy.core import _multiarray_umath as umath
+    return umath
+
+
+def _numpy_dispatch() -> list[str]:
+    """The instruction sets numpy picks loops by at run time on this machine (past its baseline)."""
+    umath = _umath()
     return [f for f in umath.__cpu_dispatch__ if umath.__cpu_features__.get(f)]
+
+
+#: OpenBLAS core types the test forces, and the instruction sets (numpy's names) each needs: a
+#: core type this CPU lacks would die of an illegal instruction (SkylakeX on an AVX2-only EPYC)
+CORE_TYPES = {"Prescott": ["SSE3"], "Haswell": ["AVX2", "FMA3"], "SkylakeX": ["AVX512_SKX"]}
+
+
+def _runnable_core_types() -> list[str]:
+    """The ``CORE_TYPES`` this CPU can run."""
+    features = _umath().__cpu_features__
+    return [core for core, needs in CORE_TYPES.items() if all(features.get(f) for f in needs)]
 
 
 def test_the_reference_is_bit_identical_under_every_openblas_core_type_and_numpy_dispatch(tmp_path):
     """The BLAS kernel (OPENBLAS_CORETYPE) and numpy's own loops (exp, tanh: AVX2 and AVX-512
-    ones differ from the baseline one in the last bit) leave the reference's bytes alone."""
+    ones differ from the baseline one in the last bit) leave the reference's bytes alone. Each
+    core type this CPU can run is forced (on an AVX2-only CPU, not SkylakeX), and the one
+    OpenBLAS picks here."""
     from threadpoolctl import threadpool_info
     here = {i.get("architecture") for i in threadpool_info() if i.get("internal_api") == "openblas"} - {None}
-    runs = {core: {"OPENBLAS_CORETYPE": core} for core in sorted({"Prescott", "Haswell", "SkylakeX", *here})}
+    runs = {core: {"OPENBLAS_CORETYPE": core} for core in sorted({*_runnable_core_types(), *here})}
     dispatch = _numpy_dispatch()
     if dispatch:
         runs["numpy baseline loops"] = {"NPY_DISABLE_CPU_FEATURES": " ".join(dispatch)}
+    if len(runs) < 2:
+        pytest.skip(f"this CPU runs one BLAS kernel and one set of numpy loops only: {sorted(runs)}")
     digests = {}
     for name, extra in runs.items():
         env = dict(os.environ, IPUBUILD_LOG="quiet", **extra)
