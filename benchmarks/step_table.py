@@ -3,7 +3,9 @@
 or read one (a layout JSON, or the search state's incumbent), and print the estimator's figure
 and, with ``--exact``, the cost model's (the program, each exchange phase scheduled, the cost:
 no storage placement, tile images or device), per step: exchange, compute, sync, and the gap to
-the step's share of the lower bound. The fast loop for plan work: ViT-B/16's initial layout
+the step's share of the lower bound, split into its *sequence* (the smaller of the step's balanced
+compute and balanced exchange: a BSP step does one, then the other, so no layout recovers it
+without changing the steps) and its *imbalance* over the tiles (what a layout can recover). The fast loop for plan work: ViT-B/16's initial layout
 takes minutes and ~1.5 GB here, its exact table a few GB more; a build costs far more.
 
     python benchmarks/step_table.py vit_fp8 --exact
@@ -79,14 +81,22 @@ def main(argv=None) -> int:
     rows = []
     for step, s in zip(program["steps"], cost["steps"]):
         comp = step_compute(step, machine, program["kernels"])
-        balanced = max(-(-sum(comp.values()) // tiles),
-                       -(-transfer_bytes(step["transfers"]) // (tiles * machine["exchange"]["bytes_per_cycle"])))
-        rows.append((s["name"], s["exchange"], s["compute"], s["sync"], s["exchange"] + s["compute"] - balanced))
+        balanced = (-(-sum(comp.values()) // tiles),
+                    -(-transfer_bytes(step["transfers"]) // (tiles * machine["exchange"]["bytes_per_cycle"])))
+        gap = s["exchange"] + s["compute"] - max(balanced)
+        rows.append((s["name"], s["exchange"], s["compute"], s["sync"], gap, min(balanced), gap - min(balanced)))
+    sequenced = sum(r[5] for r in rows)
+    floor = cost["lower_bound"] + sequenced
+    # a step exchanges, then computes: even balanced perfectly over the tiles, the steps cost their
+    # balanced exchange *plus* their balanced compute, which the lower bound (their max) does not count
+    print(f"balanced floor={floor} ({floor / cost['lower_bound']:.3f} x lower_bound): of the "
+          f"{f - cost['lower_bound']} cycles over the lower bound, {sequenced} are exchange and compute "
+          f"in sequence (a step's smaller balanced term), {f - floor} imbalance over the tiles")
     if args.top:
         rows = sorted(rows, key=lambda r: -(r[1] + r[2]))[:args.top]
-    print(f"{'step':36s} {'exchange':>9s} {'compute':>9s} {'sync':>5s} {'gap':>8s}")
-    for name, xe, c, sy, gap in rows:
-        print(f"{name:36s} {xe:9d} {c:9d} {sy:5d} {gap:8d}")
+    print(f"{'step':36s} {'exchange':>9s} {'compute':>9s} {'sync':>5s} {'gap':>8s} {'sequence':>8s} {'imbalance':>9s}")
+    for name, xe, c, sy, gap, seq, imb in rows:
+        print(f"{name:36s} {xe:9d} {c:9d} {sy:5d} {gap:8d} {seq:8d} {imb:9d}")
     by_kind = collections.Counter()
     for op, s in zip(program["steps"], cost["steps"]):
         by_kind[op["name"].split("#")[0].split(".")[-1]] += s["exchange"] + s["compute"] + s["sync"]
