@@ -5,8 +5,9 @@ and, with ``--exact``, the cost model's (the program, each exchange phase schedu
 no storage placement, tile images or device), per step: exchange, compute, sync, and the gap to
 the step's share of the lower bound, split into its *sequence* (the smaller of the step's balanced
 compute and balanced exchange: a BSP step does one, then the other, so no layout recovers it
-without changing the steps) and its *imbalance* over the tiles (what a layout can recover). The fast loop for plan work: ViT-B/16's initial layout
-takes minutes and ~1.5 GB here, its exact table a few GB more; a build costs far more.
+without changing the steps) and its *imbalance* over the tiles (what a layout can recover).
+The fast loop for plan work: ViT-B/16's initial layout takes minutes and ~1.5 GB here, its
+exact table a few GB more; a build costs far more.
 
     python benchmarks/step_table.py vit_fp8 --exact
     python benchmarks/step_table.py vit_b16_fp8 --layout .ipubuild/search/vit_b16_fp8.state.json --exact
