@@ -5,7 +5,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from buildtree import copy_ipubuild
+from buildtree import ROOT, copy_ipubuild, precompile
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +26,8 @@ LONGEST_FIRST = ("test_plugin_isolation.py", "test_mutations_bite.py", "test_inc
 
 
 def pytest_configure(config):
+    if not hasattr(config, "workerinput"):       # once, in the process that starts the workers
+        precompile(ROOT / "ipubuild")
     # the tests that interrupt a build send Ctrl-C as a terminal does; a runner may start pytest with
     # SIGINT blocked or ignored, which every child process would keep (a blocked Ctrl-C never arrives)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})

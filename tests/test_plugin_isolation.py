@@ -19,8 +19,14 @@ MODULES = ["tests/test_plugins.py", "tests/test_targets.py", "tests/test_vit.py"
            "tests/test_reference_docs.py", "tests/test_plugin_targets.py", "tests/test_cli_errors.py",
            "tests/test_search.py", "tests/test_console.py::test_bare_doit_builds_what_it_can_and_names_what_it_skips",
            "plugins/ipubuild-rmsnorm/tests"]
-#: what a plugin cannot change (a search resumed after kill -9 or from a damaged state)
-SKIPPED = "not kill_during_search and not corrupt_search_state"
+#: what a plugin cannot change: a search resumed after kill -9 or from a damaged state, and the
+#: search's tests whose subject no plugin enters (a clock, a model too big for its tiles, the
+#: screening caps and the descent on layouts they build themselves, candidates made to fail, the
+#: estimator pinned to the cost model). This re-run was the suite's longest test (380 s of a
+#: 19.5-minute run on 2 cores); these took about 50 s of it
+SKIPPED = " and ".join(f"not {name}" for name in (
+    "kill_during_search", "corrupt_search_state", "fast_clock", "constants_cannot_fit", "refuses_what",
+    "descent_proposes", "candidates_all_fail", "estimator_terms_are_pinned"))
 
 
 def install(site: Path) -> dict:
