@@ -56,15 +56,13 @@ def precompile(folder: Path) -> None:
     """Byte-compile every module under ``folder`` into hash-checked ``.pyc`` files: an import
     checks the source's hash, never its mtime, so a copy carries them along and an edit (same
     size, same second) is still seen. Where ``PYTHONDONTWRITEBYTECODE`` is set, every subprocess
-    would otherwise compile the ~90 modules it imports again (~0.4 s each, hundreds of builds)."""
+    would otherwise compile the ~90 modules it imports again (~0.4 s each, hundreds of builds).
+    ``force``: a tree's own timestamp ``.pyc`` files (written by a plain ``python``) would
+    otherwise be kept, and copied; compileall rewrites hash-checked ones every run anyway."""
     import compileall
     import py_compile
-    compileall.compile_dir(str(folder), quiet=2, workers=1,
+    compileall.compile_dir(str(folder), quiet=2, workers=1, force=True,
                            invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
-
-
-#: copies keep ``__pycache__``: ``precompile`` made the repository's hash-checked (conftest)
-COPY_IGNORE = shutil.ignore_patterns(".*.tmp")
 
 
 def copy_ipubuild(dest_dir: Path, source: Path | None = None) -> Path:
@@ -72,7 +70,8 @@ def copy_ipubuild(dest_dir: Path, source: Path | None = None) -> Path:
     ``dest_dir``, with its hash-checked bytecode (``precompile``); return the copy."""
     dest = Path(dest_dir) / "ipubuild"
     src = Path(source) / "ipubuild" if source is not None else ROOT / "ipubuild"
-    shutil.copytree(src, dest, ignore=COPY_IGNORE)
+    # with __pycache__: ``precompile`` made the repository's hash-checked (conftest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns(".*.tmp"))
     return dest
 
 

@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from buildtree import copy_ipubuild
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -44,10 +46,9 @@ def scratch_copy(dest: Path) -> Path:
     """A copy of the repository's ``ipubuild/``, ``tests/``, ``dodo.py`` and ``targets/`` (what
     the named tests import and build) at ``dest``."""
     dest = Path(dest)
-    for d in ("ipubuild", "tests", "targets"):
-        # ipubuild's bytecode is hash-checked (``buildtree.precompile``): a mutated module's is never used
-        kept = () if d == "ipubuild" else ("__pycache__", "*.pyc")
-        shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns(".*.tmp", "throwaway", *kept))
+    copy_ipubuild(dest)       # its bytecode is hash-checked: a mutated module's is never used
+    for d in ("tests", "targets"):
+        shutil.copytree(ROOT / d, dest / d, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".*.tmp", "throwaway"))
     for f in ("dodo.py", "pyproject.toml"):
         shutil.copyfile(ROOT / f, dest / f)
     return dest
