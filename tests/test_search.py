@@ -202,6 +202,50 @@ def test_align_columns_moves_the_matmuls_alike_together():
     assert proposed(other)[1] == []
 
 
+def test_widen_rows_moves_each_kind_of_row_wise_operation_together_to_its_most_rows():
+    """Layer norms on a plan of fewer rows go together, one proposal, to their plan with the
+    most rows; one already there, or following its producer, stays out of it."""
+    from ipubuild.builtin.heuristics import widen_rows
+    sc, layout, ops = _two_block_vit()
+    norms = [ops[n] for n in ("block0.ln1", "block0.ln2", "block1.ln1", "block1.ln2", "final_norm")]
+    plans = sc.plans[norms[0]]
+    widest = max((i for i, p in enumerate(plans) if "rows" in p), key=lambda i: plans[i]["rows"])
+    narrow = next(i for i, p in enumerate(plans) if "rows" in p and i != widest)
+    follow = next(i for i, p in enumerate(plans) if "follow" in p)
+    chosen = {norms[0]: narrow, norms[1]: narrow, norms[2]: widest, norms[3]: follow, norms[4]: narrow}
+    layout = dict(layout, ops=dict(layout["ops"], **{str(i): dict(layout["ops"][str(i)], plan=p)
+                                                     for i, p in chosen.items()}))
+    proposed = [dict(c.plans) for c in widen_rows(layout, sc) if set(norms) & set(dict(c.plans))]
+    assert proposed == [{norms[0]: widest, norms[1]: widest, norms[4]: widest}]
+    assert sc.plans[norms[0]][widest] == {"rows": min(sc.graph.values[sc.graph.ops[norms[0]].outputs[0]].rows, 64)}
+
+
+def test_settle_light_moves_the_light_operations_to_cheaper_plans_in_one_proposal():
+    """One proposal takes the operations that can follow a producer (adds, layer norms, casts)
+    to plans the estimator finds cheaper, within the caps, and leaves the others; two layer
+    norms put on their costliest plans are brought back in it."""
+    from ipubuild.builtin.heuristics import settle_light
+    from ipubuild.graph.operators import registry
+    sc, layout, ops = _two_block_vit()
+    est, reg = sc.estimator, registry()
+    (first,) = settle_light(layout, sc)
+    assert all(reg.get(sc.graph.ops[i].type).follows for i, _ in first.plans)
+    settled, _ = first._applied(layout, sc.plans, sc.tile_count)
+    assert est.estimate(settled) < est.estimate(layout) and est.fits(settled)
+    norms = [ops["block0.ln2"], ops["block1.ln1"]]
+    worse = dict(settled, ops=dict(settled["ops"]))
+    for i in norms:
+        costs = []
+        for p in range(len(sc.plans[i])):
+            trial = dict(worse, ops=dict(worse["ops"], **{str(i): dict(worse["ops"][str(i)], plan=p)}))
+            if (e := est.estimate(trial)) is not None and est.fits(trial):
+                costs.append((e, p))
+        worse["ops"][str(i)] = dict(worse["ops"][str(i)], plan=max(costs)[1])
+    (again,) = settle_light(worse, sc)
+    assert set(norms) <= {i for i, _ in again.plans}
+    assert est.estimate(again._applied(worse, sc.plans, sc.tile_count)[0]) < est.estimate(worse)
+
+
 def test_reshape_alike_moves_the_matmuls_alike_together_one_trade_away():
     """Two blocks' fc2 (the same shapes, plans and plan) go together to the grid one trade from
     theirs that the closed-form estimate ranks cheapest, and only together; once one is on
@@ -332,6 +376,9 @@ def test_screening_counts_each_heuristic_and_each_reason():
 
 
 def test_screening_beyond_its_budget_counts_each_heuristics_unscreened_proposals(monkeypatch):
+    """Past the budget, the proposals left are unscreened, counted for their heuristics, except
+    each heuristic's first in screening's order when none of its proposals came before: every
+    heuristic that proposes has one screened a round."""
     import collections
 
     from ipubuild import search
@@ -345,8 +392,17 @@ def test_screening_beyond_its_budget_counts_each_heuristics_unscreened_proposals
     s = search.screen_round(proposals, layout, sc, {canonical.digest_of(layout)}, 3, [h.name for h in found])
     n = s.counts["unscreened"]
     assert 0 < n < len(proposals) and sum(s.counts.values()) == len(proposals)
-    # the proposals left are the last of screening's order, each counted for its heuristic
-    left = collections.Counter(proposals[i][0] for i in ranked[len(ranked) - n:])
+    # the screened: a prefix of screening's order, and each other heuristic's first after it
+    for k in range(len(ranked) + 1):
+        before = {proposals[i][0] for i in ranked[:k]}
+        firsts = {}
+        for i in ranked[k:]:
+            if proposals[i][0] not in before:
+                firsts.setdefault(proposals[i][0], i)
+        if k + len(firsts) == len(proposals) - n:
+            break
+    left = collections.Counter(proposals[i][0] for i in ranked[k:] if i not in firsts.values())
+    assert firsts and all(c["proposed"] > c["unscreened"] for c in s.heuristics.values() if c["proposed"])
     assert {name: c["unscreened"] for name, c in s.heuristics.items() if c["unscreened"]} == dict(left)
     for name, c in s.heuristics.items():
         assert c["proposed"] == c["unscreened"] + c["fit"] + sum(c[r] for r in search.INVALID_REASONS), name

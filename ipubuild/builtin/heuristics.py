@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from .. import hookimpl
 from ..compiler.gridplan import aligned_variants, grid_cost, neighbour_grids, ranked_grids
+from ..compiler.estimator import Baseline
 from ..compiler.search import Changes, Heuristic
+from ..graph.operators import registry
 
 #: how many single re-plans one descent chains at most
 DESCENT_STEPS = 24
@@ -61,6 +63,52 @@ def align_chains(layout, sc):
                 out.append(Changes(plans=plans, boundaries=tuple((i, 0) for i, _ in plans)))
         run = [op.id] if op is not None and _rows_only(sc.plans[op.id]) else []
     return out
+
+
+def widen_rows(layout, sc):
+    """The operations whose own plans all split rows (layer norms, ...), each operator's
+    together, on the plan with the most rows, where they are on another plan of their own
+    (not following). A row-wise operation gains little alone, so its re-plan is rarely screened
+    and never shortlisted before a matmul's; a network's twelve of them together are not little."""
+    by_type: dict[str, list] = {}
+    for op in sc.graph.ops:
+        plans = sc.plans[op.id]
+        if not _rows_only(plans):
+            continue
+        mine = layout["ops"][str(op.id)]["plan"]
+        widest = max((i for i, p in enumerate(plans) if "rows" in p), key=lambda i: (plans[i]["rows"], -i))
+        if "follow" not in plans[mine] and mine != widest:
+            by_type.setdefault(op.type, []).append((op.id, widest))
+    return [Changes(plans=tuple(changes)) for _, changes in sorted(by_type.items())]
+
+
+def settle_light(layout, sc):
+    """One pass over the light operations — those that can follow a producer's blocks (layer
+    norms, residual adds, casts, ...) — in program order: each on the plan the estimator finds
+    cheapest, given the pass's earlier choices, if that is cheaper than its own and the layout
+    stays within the caps; every choice made, together, as one proposal. Alone such a change
+    gains little (on ViT-B/16 a residual add following its other operand gains 1–2 k cycles),
+    so a round's shortlist, which takes the largest gains first, leaves it, and ``descend``,
+    the costliest operations first, spends its budget before it comes to them. Each step is
+    held within the incumbent's room as screening holds the proposal (``sc.room``)."""
+    est, reg = sc.estimator, registry()
+    base = Baseline(est, layout, **(sc.room or {}))     # holds each step within what screening will
+    current = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
+    chosen: dict[int, int] = {}
+    res = est.resolve(current)
+    for op in sc.graph.ops:
+        if reg.get(op.type).follows is None:
+            continue
+        mine = current["ops"][str(op.id)]["plan"]
+        moves = sorted((d, p) for p in range(len(sc.plans[op.id])) if p != mine
+                       and (d := est.delta(current, res, {op.id: p})) is not None and d < 0)
+        for _, p in moves:
+            trial = {"ops": dict(current["ops"], **{str(op.id): dict(current["ops"][str(op.id)], plan=p)})}
+            if base.compare(trial)[1]:
+                current, chosen[op.id] = trial, p
+                res = est.resolve(current)
+                break
+    return [Changes(plans=tuple(sorted(chosen.items())))] if chosen else []
 
 
 def follow_producer(layout, sc):
@@ -227,4 +275,5 @@ def ipubuild_search_heuristics():
     return [Heuristic("replan", replan), Heuristic("align_columns", align_columns),
             Heuristic("take_producer_blocks", take_producer_blocks),
             Heuristic("align_chains", align_chains), Heuristic("follow_producer", follow_producer),
-            Heuristic("descend", descend), Heuristic("regrid", regrid), Heuristic("reshape_alike", reshape_alike)]
+            Heuristic("descend", descend), Heuristic("regrid", regrid), Heuristic("reshape_alike", reshape_alike),
+            Heuristic("widen_rows", widen_rows), Heuristic("settle_light", settle_light)]

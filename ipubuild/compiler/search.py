@@ -115,13 +115,16 @@ class SearchContext:
     ``estimator`` (an :class:`Estimator` of layouts). Read-only. ``reservations`` (``{kernel
     variant: code bytes}``, ``compile_kernels``'s) give the estimator's ``reservation_excess``
     (what kernels reserve past one quantum), which the initial placement keeps free; without
-    them it is 0."""
+    them it is 0. ``room`` (``{"headroom": …, "code_room": …}``) is the incumbent's, once the
+    search has evaluated it (else None): what a round's screening bounds a proposal's growth
+    on each tile by (``Baseline``), so that a heuristic chaining changes can hold each to it."""
 
     def __init__(self, graph, tile_count: int, machine: dict, reservations: dict[str, int] | None = None):
         self.graph, self.tile_count, self.machine = graph, tile_count, machine
         self.plans = plans_of(graph, tile_count)
         self.estimator = Estimator(graph, tile_count, machine, self.plans, reservations)
         self.producer = {v: op for op in graph.ops for v in op.outputs}
+        self.room: dict | None = None
 
 
 # exact evaluation ------------------------------------------------------------------------------
@@ -436,6 +439,7 @@ def search_layout(ctx, graph) -> tuple[dict, dict]:
         while state["round"] < cfg["rounds"] and state["attempts"] < cfg["evaluations"]:
             rnd = state["round"] + 1
             t0 = time.perf_counter()
+            sc.room = room
             proposals = [(h.name, ch) for h in found for ch in _proposals(h, incumbent, sc)]
             screened = screen_round(proposals, incumbent, sc, visited, cfg["shortlist"], [h.name for h in found],
                                     **room)
@@ -666,7 +670,8 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
     those the estimate finds cheaper than the incumbent, cheapest first (ties: the earlier
     proposal), the cheapest on distinct operations first (``_diverse``). Proposals are
     screened in ``_screening_order`` (the costliest operations they change first, a chunk of
-    each at a time) until SCREEN_BUDGET is spent; the rest count as ``unscreened``. A
+    each at a time) until SCREEN_BUDGET is spent, and then each heuristic's first in that order
+    if none of its proposals was screened; the rest count as ``unscreened``. A
     proposal's id is ``<heuristic>#<index>``: its index in the list its heuristic returned
     this round. Of proposals giving one layout, the earliest speaks for
     it; the others count as ``deduplicated`` (for their heuristics). ``heuristics`` names
@@ -684,14 +689,17 @@ def screen_round(proposals, incumbent, sc, visited, shortlist_size, heuristics=(
     first, cheaper = {}, {}     # layout digest -> (order, heuristic) of its speaker; -> its shortlist entry
     budget = SCREEN_BUDGET * 64 // max(64, sc.tile_count)
     ranked = _screening_order(proposals, baseline)
-    for n, order in enumerate(ranked):
-        if len(baseline.asked) >= budget:       # counted the same whatever the estimator has cached
-            counts["unscreened"] = len(ranked) - n
-            for i in ranked[n:]:
-                per[proposals[i][0]]["unscreened"] += 1
-            break
+    reached = set()         # the heuristics with a proposal screened
+    for order in ranked:
         name, ch = proposals[order]
         c = per[name]
+        # counted the same whatever the estimator has cached; past the budget, each heuristic's
+        # first proposal still: one bundled change (settle_light) is not starved by re-plans
+        if len(baseline.asked) >= budget and name in reached:
+            counts["unscreened"] += 1
+            c["unscreened"] += 1
+            continue
+        reached.add(name)
         layout, reason = ch._applied(incumbent, sc.plans, sc.tile_count)
         if reason is None:
             e, fits = baseline.compare(layout)
