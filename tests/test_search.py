@@ -246,6 +246,23 @@ def test_settle_light_moves_the_light_operations_to_cheaper_plans_in_one_proposa
     assert est.estimate(again._applied(worse, sc.plans, sc.tile_count)[0]) < est.estimate(worse)
 
 
+def test_settle_light_holds_its_proposal_to_the_incumbents_room():
+    """With the incumbent's room known (``SearchContext.room``), each step of the pass is held to
+    it as screening holds the proposal: with no room at all on any tile, what it proposes still
+    passes screening's test, and it proposes less than with room to spare."""
+    from ipubuild.builtin.heuristics import settle_light
+    from ipubuild.compiler.estimator import Baseline
+    sc, layout, _ = _two_block_vit()
+    chosen = {}
+    for name, room in (("none", [0] * sc.tile_count), ("plenty", [1 << 40] * sc.tile_count)):
+        sc.room = {"headroom": room, "code_room": room}
+        out = settle_light(layout, sc)
+        chosen[name] = dict(out[0].plans) if out else {}
+        if out:
+            assert Baseline(sc.estimator, layout, **sc.room).compare(out[0]._applied(layout, sc.plans, sc.tile_count)[0])[1]
+    assert chosen["plenty"] and len(chosen["none"]) < len(chosen["plenty"])
+
+
 def test_reshape_alike_moves_the_matmuls_alike_together_one_trade_away():
     """Two blocks' fc2 (the same shapes, plans and plan) go together to the grid one trade from
     theirs that the closed-form estimate ranks cheapest, and only together; once one is on
