@@ -357,6 +357,25 @@ def test_descent_proposes_ever_cheaper_prefixes_of_one_path():
     assert len({ch.plans for ch in proposals}) == len(proposals)
 
 
+def test_descent_holds_its_steps_to_the_incumbents_room():
+    """With the incumbent's room known, the descent's steps are held to it as screening holds
+    its proposals (on ViT-B/16 the planning caps refused every step of its later rounds): with
+    no room at all, what it proposes passes screening's test, and its path is shorter than with
+    room to spare."""
+    from ipubuild.compiler.estimator import Baseline
+    sc = _vit_context()
+    layout = initial_layout(sc, heuristics())
+    (descend,) = [h for h in heuristics() if h.name == "descend"]
+    steps = {}
+    for name, room in (("none", [0] * sc.tile_count), ("plenty", [1 << 40] * sc.tile_count)):
+        sc.room = {"headroom": room, "code_room": room}
+        proposals = descend.propose(layout, sc)
+        steps[name] = max((len(ch.plans) for ch in proposals), default=0)
+        for ch in proposals:
+            assert Baseline(sc.estimator, layout, **sc.room).compare(ch._applied(layout, sc.plans, sc.tile_count)[0])[1]
+    assert steps["plenty"] and steps["none"] < steps["plenty"]
+
+
 def test_initial_layout_lets_elementwise_operations_follow_their_producers():
     from ipubuild.operators import registry
     sc = _vit_context()

@@ -127,12 +127,14 @@ def follow_producer(layout, sc):
 
 def descend(layout, sc):
     """Coupled changes: from the incumbent, take the change the estimator finds best (and
-    within the constant cap) — one operation re-planned, alone or with the operations that read
+    within the incumbent's room) — one operation re-planned, alone or with the operations that read
     its blocks then following them — then the best from there, and so on while the estimate
     improves (at most DESCENT_STEPS, within DESCENT_BUDGET estimates); propose every prefix of
     that path as one change. A plan whose gain shows only once the operations it feeds change
-    too is reached this way, which single re-plans screened one at a time cannot reach."""
+    too is reached this way, which single re-plans screened one at a time cannot reach. Each
+    step is held within the incumbent's room as screening holds the proposal (``sc.room``)."""
     est = sc.estimator
+    base = Baseline(est, layout, **(sc.room or {}))     # holds each step within what screening will
     current = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
     chosen: dict[int, int] = {}
     out = []
@@ -156,7 +158,7 @@ def descend(layout, sc):
                             moves.append((d, tuple(sorted(change.items()))))
         for d, change in sorted(moves):
             trial = {"ops": dict(current["ops"], **{str(i): dict(current["ops"][str(i)], plan=p) for i, p in change})}
-            if est.fits(trial):
+            if base.compare(trial)[1]:
                 current = trial
                 chosen.update(change)
                 out.append(Changes(plans=tuple(sorted(chosen.items()))))
