@@ -86,7 +86,8 @@ def settle_light(layout, sc):
     """One pass over the light operations — those that can follow a producer's blocks (layer
     norms, residual adds, casts, ...) — in program order: each on the plan the estimator finds
     cheapest, given the pass's earlier choices, if that is cheaper than its own and the layout
-    stays within the caps; every choice made, together, as one proposal. Alone such a change
+    stays within the incumbent's room (without one, the caps); every choice made, together, as
+    one proposal. Alone such a change
     gains little (on ViT-B/16 a residual add following its other operand gains 1–2 k cycles),
     so a round's shortlist, which takes the largest gains first, leaves it, and ``descend``,
     the costliest operations first, spends its budget before it comes to them. Each step is
