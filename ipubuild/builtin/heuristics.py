@@ -86,12 +86,11 @@ def settle_light(layout, sc):
     """One pass over the light operations — those that can follow a producer's blocks (layer
     norms, residual adds, casts, ...) — in program order: each on the plan the estimator finds
     cheapest, given the pass's earlier choices, if that is cheaper than its own and the layout
-    stays within the incumbent's room (without one, the caps); every choice made, together, as
-    one proposal. Alone such a change
-    gains little (on ViT-B/16 a residual add following its other operand gains 1–2 k cycles),
-    so a round's shortlist, which takes the largest gains first, leaves it, and ``descend``,
-    the costliest operations first, spends its budget before it comes to them. Each step is
-    held within the incumbent's room as screening holds the proposal (``sc.room``)."""
+    stays within the incumbent's room as screening will hold the proposal (``sc.room``; without
+    one, the caps); every choice made, together, as one proposal. Alone such a change gains
+    little (on ViT-B/16 a residual add following its other operand gains 1–2 k cycles), so a
+    round's shortlist, which takes the largest gains first, leaves it, and ``descend``, the
+    costliest operations first, spends its budget before it comes to them."""
     est, reg = sc.estimator, registry()
     base = Baseline(est, layout, **(sc.room or {}))     # holds each step within what screening will
     current = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
@@ -104,12 +103,17 @@ def settle_light(layout, sc):
         moves = sorted((d, p) for p in range(len(sc.plans[op.id])) if p != mine
                        and (d := est.delta(current, res, {op.id: p})) is not None and d < 0)
         for _, p in moves:
-            trial = {"ops": dict(current["ops"], **{str(op.id): dict(current["ops"][str(op.id)], plan=p)})}
+            trial = _replanned(current, {op.id: p})
             if base.compare(trial)[1]:
                 current, chosen[op.id] = trial, p
                 res = est.resolve(current)
                 break
     return [Changes(plans=tuple(sorted(chosen.items())))] if chosen else []
+
+
+def _replanned(layout: dict, changes: dict[int, int]) -> dict:
+    """``layout``'s operations, each in ``changes`` (``{operation id: plan index}``) on that plan."""
+    return {"ops": dict(layout["ops"], **{str(i): dict(layout["ops"][str(i)], plan=p) for i, p in changes.items()})}
 
 
 def follow_producer(layout, sc):
@@ -158,7 +162,7 @@ def descend(layout, sc):
                         if d is not None and d < 0:
                             moves.append((d, tuple(sorted(change.items()))))
         for d, change in sorted(moves):
-            trial = {"ops": dict(current["ops"], **{str(i): dict(current["ops"][str(i)], plan=p) for i, p in change})}
+            trial = _replanned(current, dict(change))
             if base.compare(trial)[1]:
                 current = trial
                 chosen.update(change)
