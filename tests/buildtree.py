@@ -154,3 +154,18 @@ def assert_passed(run: Run, name: str) -> None:
     assert run.returncode == 0, run.tail()
     assert "numericalTest=PASS" in run.stdout, run.tail()
     assert "Traceback" not in run.output, run.tail()
+
+
+def on_head_grids(graph, plans: dict, layout: dict) -> dict:
+    """``layout`` with each attention operation on its squarest grid of its heads (``cols``
+    plans) and the softmax between them on its default plan of its own (a grid's row blocks
+    are not whole rows, which it would need to follow the scores)."""
+    out = {"ops": {k: dict(v) for k, v in layout["ops"].items()}}
+    for op in graph.ops:
+        grids = [i for i, p in enumerate(plans[op.id]) if "cols" in p]
+        if grids:
+            squarest = min(grids, key=lambda i: (abs(plans[op.id][i]["rows"] - plans[op.id][i]["cols"]), i))
+            out["ops"][str(op.id)] = {"plan": squarest, "offset": 0}
+        elif op.type == "softmax":
+            out["ops"][str(op.id)] = {"plan": 0, "offset": 0}
+    return out

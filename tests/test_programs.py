@@ -21,7 +21,7 @@ from ipubuild.compiler.planning import exchange
 from ipubuild.compiler.planning.program import plans_of, vertices_of
 from ipubuild.targets import load_target
 
-from buildtree import SMALL, make_tree
+from buildtree import SMALL, make_tree, on_head_grids
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,12 +166,24 @@ def _build_with_layout(built: Built, layout: dict) -> Built:
     return Built(built.root, built.name, out)
 
 
-def test_attention_following_its_heads_runs_right_on_the_simulator(tmp_path):
+def _small_on_layout(tmp_path, relayout) -> tuple:
+    """The small target built once, then again with ``relayout(graph, plans, layout)`` in place
+    of its layout: the numbers pass, the device runs the cycles the cost model counts. Its
+    graph, plans, that layout and the program."""
     root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 0")})
     built = Built(root, "small", _build(root, "small"))
     g = built.graph
     plans = plans_of(g, 16)
-    layout = built.json("layout")
+    layout = relayout(g, plans, built.json("layout"))
+    rebuilt = _build_with_layout(built, layout)
+    cost, verdict, profile = rebuilt.json("cost"), rebuilt.json("verdict"), rebuilt.json("profile")
+    assert verdict["pass"] and verdict["device_ok"] and float(verdict["min_cosine"]) > 0.999
+    assert profile["total_cycles"] == cost["final_cycles"]
+    program = rebuilt.json("program")
+    return g, plans, layout, program, {s["name"]: s for s in program["steps"]}
+
+
+def _following_heads(g, plans, layout) -> dict:
     qkv = next(op for op in g.ops if op.name == "block0.qkv")
     heads = [i for i, p in enumerate(plans[qkv.id]) if p.get("n") == 3 and p["k"] == 1]
     layout["ops"][str(qkv.id)]["plan"] = heads[-1]               # Q, K, V column blocks
@@ -179,15 +191,29 @@ def test_attention_following_its_heads_runs_right_on_the_simulator(tmp_path):
     for op in g.ops:
         if op.type in follow:
             layout["ops"][str(op.id)]["plan"] = plans[op.id].index({"follow": follow[op.type]})
-    rebuilt = _build_with_layout(built, layout)
-    cost, verdict, profile = rebuilt.json("cost"), rebuilt.json("verdict"), rebuilt.json("profile")
-    assert verdict["pass"] and verdict["device_ok"] and float(verdict["min_cosine"]) > 0.999
-    assert profile["total_cycles"] == cost["final_cycles"]
-    program = rebuilt.json("program")
-    steps = {s["name"]: s for s in program["steps"]}
+    return layout
+
+
+def test_attention_following_its_heads_runs_right_on_the_simulator(tmp_path):
+    g, plans, layout, program, steps = _small_on_layout(tmp_path, _following_heads)
     assert not len(steps["block0.softmax"]["transfers"])
     scores_tiles = set(vertices_of(program, steps["block0.scores"]))
     assert scores_tiles <= set(vertices_of(program, steps["block0.qkv"]))
+
+
+def test_attention_on_grids_of_its_heads_runs_right_on_the_simulator(tmp_path):
+    """Scores and context each on a rows × columns grid of each head's tiles: every tile reads
+    its rows' and columns' share of K (of V), not the whole; the numbers still pass, and the
+    device runs the cycles the cost model counts."""
+    g, plans, layout, program, steps = _small_on_layout(tmp_path, on_head_grids)
+    for name, width in (("block0.scores", 17), ("block0.context", 32)):
+        op = next(op for op in g.ops if op.name == name)
+        plan = plans[op.id][layout["ops"][str(op.id)]["plan"]]
+        assert plan["cols"] > 1
+        written = steps[name]["writes"]
+        widths = set((written[:, 6] - written[:, 5]).tolist())      # each tile's block of columns
+        assert max(widths) < width, (name, widths)
+        assert len(set(vertices_of(program, steps[name]))) == plan["tiles"]
 
 
 # A target whose plan pools a supertile pair's ports (paired exchange). On 16 tiles every tile of

@@ -20,7 +20,8 @@ from ipubuild.engine import canonical
 from ipubuild.build.build import all_steps
 from ipubuild.errors import UserError
 from ipubuild.build.pipeline import Workspace
-from ipubuild.ui.report import KINDS, _runs, heatmap, read_profile, report_data, top_steps_table
+from ipubuild.ui.report import KINDS, _runs, describe_plan, heatmap, plan_tiles, read_profile, report_data, \
+    top_steps_table
 from ipubuild.ui.report_page import render
 from ipubuild.search import read_state
 from ipubuild.targets import load_target
@@ -231,6 +232,16 @@ def test_top_steps_table_orders_by_total_with_shares():
     assert [ln.split()[:2] for ln in lines[1:3]] == [["1", "b"], ["2", "c"]]
     assert lines[1].split()[2:] == ["100", "40", "5", "145", "59.2", "%"]
     assert lines[-1] == "top 2 of 3 steps: 85.7 % of 245 cycles"
+
+
+@pytest.mark.parametrize("plan, says, tiles", [
+    ({"m": 2, "n": 36, "k": 4}, "2 × 36 × 4 grid (rows × columns × K-slices)", 288),
+    ({"rows": 61, "cols": 2, "tiles": 1464}, "61 × 2 grid a head (rows × columns)", 1464),
+    ({"rows": 122, "tiles": 1464}, "rows 122, tiles 1464", 1464),
+    ({"rows": 64}, "64 row blocks", 64),
+])
+def test_the_plan_table_names_each_kind_of_plan_and_its_tiles(plan, says, tiles):
+    assert describe_plan(plan) == says and plan_tiles(plan) == tiles
 
 
 @pytest.mark.parametrize("content, says", [

@@ -21,7 +21,7 @@ from ipubuild.compiler.placement import initial_layout
 from ipubuild.search import Changes, SearchContext, heuristics, read_state, screen
 from ipubuild.targets import load_target
 
-from buildtree import SMALL, make_tree
+from buildtree import SMALL, make_tree, on_head_grids
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -218,6 +218,36 @@ def test_widen_rows_moves_each_kind_of_row_wise_operation_together_to_its_most_r
     proposed = [dict(c.plans) for c in widen_rows(layout, sc) if set(norms) & set(dict(c.plans))]
     assert proposed == [{norms[0]: widest, norms[1]: widest, norms[4]: widest}]
     assert sc.plans[norms[0]][widest] == {"rows": min(sc.graph.values[sc.graph.ops[norms[0]].outputs[0]].rows, 64)}
+
+
+def test_grid_heads_moves_each_kind_of_attention_together_onto_each_grid_of_its_heads():
+    """One proposal per attention operator and grid of its heads, with every operation of that
+    operator not already on that grid, each from the tile it starts at now; a softmax following
+    the scores moves with them onto its plan of the most rows (it cannot follow a grid's
+    blocks), and the proposal screens valid."""
+    from ipubuild.builtin.heuristics import grid_heads
+    sc, layout, ops = _two_block_vit()
+    contexts = [ops["block0.context"], ops["block1.context"]]
+    grids = [i for i, p in enumerate(sc.plans[contexts[0]]) if "cols" in p]
+    assert grids and all(sc.plans[contexts[0]][i]["cols"] > 1 for i in grids)
+    softmax, scores = ops["block0.softmax"], ops["block0.scores"]
+    follow = sc.plans[softmax].index({"follow": 0})
+    layout = dict(layout, ops=dict(layout["ops"], **{
+        str(contexts[1]): dict(layout["ops"][str(contexts[1])], plan=grids[0]),
+        str(softmax): dict(layout["ops"][str(softmax)], plan=follow),
+        str(scores): dict(layout["ops"][str(scores)], offset=5)}))
+    proposed = grid_heads(layout, sc)
+    by_plan = {next(iter(dict(c.plans).values())): dict(c.plans) for c in proposed if set(dict(c.plans)) & set(contexts)}
+    assert by_plan[grids[0]] == {contexts[0]: grids[0]}                  # the other is there already
+    assert all(by_plan[g] == {c: g for c in contexts} for g in grids[1:])
+    widest = max((i for i, p in enumerate(sc.plans[softmax]) if set(p) == {"rows"}),
+                 key=lambda i: sc.plans[softmax][i]["rows"])
+    on_scores = [c for c in proposed if scores in dict(c.plans)]
+    assert on_scores and all(dict(c.plans)[softmax] == widest and dict(c.boundaries)[softmax] == 5
+                             and dict(c.boundaries)[scores] == 5 for c in on_scores)
+    assert all(set(dict(c.plans)) <= {*contexts, scores, softmax, ops["block1.scores"]} for c in proposed)
+    applied, why = on_scores[0]._applied(layout, sc.plans, sc.tile_count)
+    assert applied is not None and sc.estimator.estimate(applied) is not None, why
 
 
 def test_settle_light_moves_the_light_operations_to_cheaper_plans_in_one_proposal():
@@ -710,8 +740,8 @@ def built_small(tmp_path_factory):
 
 
 def test_estimator_terms_are_pinned_against_the_exact_cost_model(built_small, monkeypatch):
-    """On a few layouts of the small target (the initial one and three whole-program tile
-    mappings), each operation's estimate is, term by term, the exact cost model's: its slowest
+    """On a few layouts of the small target (the initial one, three whole-program tile
+    mappings, and attention on grids of its heads), each operation's estimate is, term by term, the exact cost model's: its slowest
     tile's compute and its syncs as the costed program has them, one stage per program step, and
     its exchange the busiest port's load of the exact program's transfers (coalesced, grouped
     into broadcasts: one send per fragment, each receiver's receive) — which no ordinary
@@ -746,7 +776,7 @@ def test_estimator_terms_are_pinned_against_the_exact_cost_model(built_small, mo
     est, sync = sc.estimator, machine["exchange"]["sync_cycles"]
     first = initial_layout(sc, heuristics())
     exchanging = 0
-    for layout in [first] + mapping_candidates(first, 16)[1:4]:
+    for layout in [first] + mapping_candidates(first, 16)[1:4] + [on_head_grids(graph, sc.plans, first)]:
         cost, program = exact(layout)
         want = collections.defaultdict(lambda: collections.Counter())
         for step, c in zip(program["steps"], cost["steps"]):

@@ -822,17 +822,36 @@ def _head_plans(rows: int, heads: int, tile_count: int) -> list[dict]:
             for p in _rows_plans(rows, max(1, tile_count // heads))]
 
 
-def _head_items(plan: dict, s: int, h: int) -> list[tuple]:
-    """The ``(tile, head, r0, r1)`` work items of an attention plan: explicit (``work``), each
-    head's rows over its own tiles (``head_tiles``), or each head's rows over ``rows``
-    consecutive tiles, wrapping at ``tiles``."""
+def _head_grid_plans(rows: int, cols: int, heads: int, tile_count: int) -> list[dict]:
+    """Each head's output over a ``rows`` × ``cols`` grid of its own tiles, for 2, 4, 8, …
+    column blocks and as many row blocks as the head's share of the tiles then takes. A tile
+    of a row-only plan reads the whole of its head's K (scores) or V (context) — 12.6 KB of
+    FP8 on a ViT-B/16 head, for every one of the ~120 tiles of the head — where a tile of a
+    grid reads its rows' and columns' share of both operands."""
+    share = max(1, tile_count // heads)
+    out = []
+    for c in _pow2(min(cols, share))[1:]:
+        r = min(rows, share // c)
+        if r >= 1:
+            out.append({"rows": r, "cols": c, "tiles": min(heads * r * c, tile_count)})
+    return out
+
+
+def _head_items(plan: dict, s: int, h: int, cols: int) -> list[tuple]:
+    """The ``(tile, head, r0, r1, c0, c1)`` work items of an attention plan over an output of
+    ``cols`` columns a head: explicit (``work``, whole columns where an item gives rows only),
+    each head's rows over its own tiles (``head_tiles``), or each head's rows × columns grid
+    (``rows`` × ``cols``, one column block without ``cols``) over consecutive tiles, wrapping
+    at ``tiles``."""
     if "work" in plan:
-        return [tuple(w) for w in plan["work"]]
+        return [tuple(w) if len(w) == 6 else (*w, 0, cols) for w in plan["work"]]
     if "head_tiles" in plan:
-        return [(tiles[i], hh, r0, r1) for hh, tiles in enumerate(plan["head_tiles"])
+        return [(tiles[i], hh, r0, r1, 0, cols) for hh, tiles in enumerate(plan["head_tiles"])
                 for i, (r0, r1) in enumerate(split(s, len(tiles)))]
-    return [((hh * plan["rows"] + i) % plan["tiles"], hh, r0, r1)
-            for hh in range(h) for i, (r0, r1) in enumerate(split(s, plan["rows"]))]
+    r, c = plan["rows"], plan.get("cols", 1)
+    return [((hh * r * c + i * c + j) % plan["tiles"], hh, r0, r1, c0, c1)
+            for hh in range(h) for i, (r0, r1) in enumerate(split(s, r))
+            for j, (c0, c1) in enumerate(split(cols, c))]
 
 
 def _heads_on_qkv(blocks: list, d: int, h: int, dh: int) -> dict:
@@ -883,7 +902,7 @@ class AttentionScores(Operator):
 
     def plans(self, graph, op, tile_count):
         qkv, s, d, h, dh = self._dims(graph, op)
-        return _head_plans(s, h, tile_count) + self.follow_plans(graph, op)
+        return _head_plans(s, h, tile_count) + self.follow_plans(graph, op) + _head_grid_plans(s, s, h, tile_count)
 
     def follow_plans(self, graph, op):
         """Following ``qkv``: each head's rows on the tiles that computed its Q, K, V blocks."""
@@ -902,11 +921,11 @@ class AttentionScores(Operator):
         y = graph.values[op.outputs[0]]
         sc = qkv.scale_exp & 0xFFFFFFFF
         work = [TileWork(t, [(key(qkv.id), r0, r1, hh * dh, (hh + 1) * dh),
-                             (key(qkv.id), 0, s, d + hh * dh, d + (hh + 1) * dh)],
-                         [(key(y.id), hh * s + r0, hh * s + r1, 0, s)],
+                             (key(qkv.id), c0, c1, d + hh * dh, d + (hh + 1) * dh)],
+                         [(key(y.id), hh * s + r0, hh * s + r1, c0, c1)],
                          [(f"matmul_{qkv.dtype}_{qkv.dtype}",
-                           [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, dh, s, 1, sc, sc, 0])])
-                for t, hh, r0, r1 in _head_items(plan, s, h)]
+                           [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, dh, c1 - c0, 1, sc, sc, 0])])
+                for t, hh, r0, r1, c0, c1 in _head_items(plan, s, h, s)]
         return Lowering([work])
 
     def variants(self, graph, op):
@@ -955,8 +974,9 @@ class AttentionContext(Operator):
         return [bound + 2 * U * _abs(outputs[0]) + TINY]
 
     def plans(self, graph, op, tile_count):
-        s = graph.values[op.inputs[1]].shape[0]
-        return _head_plans(s, op.attrs["heads"], tile_count) + self.follow_plans(graph, op)
+        qkv, h = graph.values[op.inputs[1]], op.attrs["heads"]
+        s, dh = qkv.shape[0], qkv.shape[1] // 3 // h
+        return _head_plans(s, h, tile_count) + self.follow_plans(graph, op) + _head_grid_plans(s, dh, h, tile_count)
 
     def follow_plans(self, graph, op):
         """Following the probabilities (each row where it was computed), or ``qkv`` (each
@@ -989,12 +1009,12 @@ class AttentionContext(Operator):
         s, d = qkv.shape[0], qkv.shape[1] // 3
         dh = d // h
         work = [TileWork(t, [(key(pv.id), hh * s + r0, hh * s + r1, 0, s),
-                             (key(qkv.id), 0, s, 2 * d + hh * dh, 2 * d + (hh + 1) * dh)],
-                         [(key(y.id), r0, r1, hh * dh, (hh + 1) * dh)],
+                             (key(qkv.id), 0, s, 2 * d + hh * dh + c0, 2 * d + hh * dh + c1)],
+                         [(key(y.id), r0, r1, hh * dh + c0, hh * dh + c1)],
                          [(f"matmul_{pv.dtype}_{qkv.dtype}" + ("_fp8" if _folded(op) else ""),
-                           [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, s, dh, 0,
+                           [("r", 0, 0), ("r", 1, 0), ("w", 0, 0), r1 - r0, s, c1 - c0, 0,
                             pv.scale_exp & 0xFFFFFFFF, qkv.scale_exp & 0xFFFFFFFF, 0, *_epilogue(op)])])
-                for t, hh, r0, r1 in _head_items(plan, s, h)]
+                for t, hh, r0, r1, c0, c1 in _head_items(plan, s, h, dh)]
         return Lowering([work])
 
     def variants(self, graph, op):

@@ -58,6 +58,14 @@ def initial_layout(sc, found=None) -> dict:
     return next(initial_layouts(sc))
 
 
+def _search_only(plan: dict) -> bool:
+    """Plans that the search's heuristics propose and the initial placement does not try: a
+    matmul's 32-column aligned grids (see ``MatMul.plans``) and attention's grids of its heads
+    (``grid_heads``). Placed one operation at a time, each looks cheap where what follows has
+    not been placed for it (vit_fp8 starts from, and ends at, more cycles with them tried)."""
+    return bool(plan.get("aligned")) or "cols" in plan
+
+
 def spread(items: list, n: int) -> list:
     """Up to ``n`` of ``items``, evenly spaced, the first and last included."""
     return sorted({items[i * (len(items) - 1) // max(1, n - 1)] for i in range(n)}) if items else []
@@ -96,13 +104,13 @@ class _Greedy:
             progress("operations placed in the initial layout", n, len(g.ops))
             plans = sc.plans[op.id]
             follow = [i for i, p in enumerate(plans) if "follow" in p]
-            own = [i for i, p in enumerate(plans) if not p.get("aligned")]   # see MatMul.plans
+            own = [i for i, p in enumerate(plans) if not _search_only(p)]
             tried = sorted({0, *spread(own, INITIAL_PLANS_TRIED), *follow})
             if self.reg.get(op.type).follows == "elements":
                 tried = [p for p in follow if _term(sc, op, layout, p) is not None] or tried
             elif self.allowed is not None and any(v in g.constants for v in op.inputs):
                 within = [i for i, b in enumerate(est.footprints(op))
-                          if b is not None and b <= self.allowed[op.id] and not plans[i].get("aligned")]
+                          if b is not None and b <= self.allowed[op.id] and not _search_only(plans[i])]
                 tried = sorted({*tried, *spread(within, INITIAL_PLANS_TRIED)})
             if op.type == "matmul" and self.allowed is not None:
                 # where memory is tight (the weights' copies are rationed), also the grids within

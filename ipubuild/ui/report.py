@@ -232,10 +232,13 @@ def plan_rows(graph: dict, layout: dict, tile_count: int) -> list[list]:
 
 def describe_plan(plan: dict) -> str:
     """A plan in a few words: ``2 × 32 × 1 grid (rows × columns × K-slices)`` for a matmul's,
-    ``64 row blocks`` for a row-wise one's, else its scalar settings."""
+    ``61 × 2 grid a head (rows × columns)`` for attention's on a grid, ``64 row blocks`` for a
+    row-wise one's, else its scalar settings."""
     if {"m", "n", "k"} <= set(plan):
         aligned = ", 32-column aligned" if plan.get("aligned") else ""
         return f"{plan['m']} × {plan['n']} × {plan['k']} grid (rows × columns × K-slices{aligned})"
+    if {"rows", "cols", "tiles"} == set(plan):
+        return f"{plan['rows']} × {plan['cols']} grid a head (rows × columns)"
     if set(plan) in ({"rows"}, {"patches"}):
         (key, count), = plan.items()
         return f"{count} {'row blocks' if key == 'rows' else 'runs of patches'}"
@@ -247,7 +250,9 @@ def plan_tiles(plan: dict):
     """The tiles a plan spans, where the plan says it (a grid, or a count of rows or patches)."""
     if {"m", "n", "k"} <= set(plan):
         return plan["m"] * plan["n"] * plan["k"]
-    counts = [v for k, v in plan.items() if k in ("rows", "patches", "tiles") and isinstance(v, int)]
+    if isinstance(plan.get("tiles"), int):          # attention: its heads' tiles together
+        return plan["tiles"]
+    counts = [v for k, v in plan.items() if k in ("rows", "patches") and isinstance(v, int)]
     return counts[0] if counts else ""
 
 
