@@ -169,7 +169,7 @@ def _build_with_layout(built: Built, layout: dict) -> Built:
 def _small_on_layout(tmp_path, relayout) -> tuple:
     """The small target built once, then again with ``relayout(graph, plans, layout)`` in place
     of its layout: the numbers pass, the device runs the cycles the cost model counts. Its
-    graph, plans, that layout and the program."""
+    graph, plans, that layout, the program and the program's steps by name."""
     root = make_tree(tmp_path, {"small": SMALL.replace("rounds = 3", "rounds = 0")})
     built = Built(root, "small", _build(root, "small"))
     g = built.graph

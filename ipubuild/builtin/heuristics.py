@@ -88,10 +88,10 @@ def grid_heads(layout, sc):
     output over rows × columns of its tiles: plans with ``cols``), where they are on another,
     each starting where it starts now. A row-wise operation following one of them (the softmax
     after the scores), which cannot follow a grid's blocks, moves with it onto its own plan of
-    the most rows, from the same tile. On ViT-B/16 a block's scores and softmax gain ~2,200
+    the most rows, from the same tile. On ViT-B/16 one block's scores and softmax gain ~2,200
     cycles estimated so (a tile receives its rows' and keys' share of Q and K, not a head's whole
-    K), its context ~650: too little to be shortlisted alone behind the matmuls' changes; twelve
-    blocks' together are not little."""
+    K), one block's context ~650: too little to be shortlisted alone behind the matmuls'
+    changes; twelve blocks' together are not little."""
     est, reg = sc.estimator, registry()
     resolved = est.resolve(layout)
     alike: dict[tuple, list] = {}

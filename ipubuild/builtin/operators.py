@@ -826,7 +826,7 @@ def _head_grid_plans(rows: int, cols: int, heads: int, tile_count: int) -> list[
     """Each head's output over a ``rows`` × ``cols`` grid of its own tiles, for 2, 4, 8, …
     column blocks and as many row blocks as the head's share of the tiles then takes. A tile
     of a row-only plan reads the whole of its head's K (scores) or V (context) — 12.6 KB of
-    FP8 on a ViT-B/16 head, for every one of the ~120 tiles of the head — where a tile of a
+    FP8 on a ViT-B/16 head, for every one of the 122 tiles of the head — where a tile of a
     grid reads its rows' and columns' share of both operands."""
     share = max(1, tile_count // heads)
     out = []

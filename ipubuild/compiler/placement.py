@@ -60,9 +60,10 @@ def initial_layout(sc, found=None) -> dict:
 
 def _search_only(plan: dict) -> bool:
     """Plans that the search's heuristics propose and the initial placement does not try: a
-    matmul's 32-column aligned grids (see ``MatMul.plans``) and attention's grids of its heads
-    (``grid_heads``). Placed one operation at a time, each looks cheap where what follows has
-    not been placed for it (vit_fp8 starts from, and ends at, more cycles with them tried)."""
+    matmul's 32-column aligned grids (given them, it placed ViT-B/16 over memory: see
+    ``MatMul.plans``) and attention's grids of its heads (``grid_heads``: placed before the
+    softmax that reads it, a grid looks cheaper than it is; with them tried vit_fp8 started at
+    63,071 cycles instead of 63,184 and its search ended at 50,290 instead of 48,436)."""
     return bool(plan.get("aligned")) or "cols" in plan
 
 
