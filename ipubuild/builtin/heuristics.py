@@ -77,10 +77,17 @@ def widen_rows(layout, sc):
         if not _rows_only(plans):
             continue
         mine = layout["ops"][str(op.id)]["plan"]
-        widest = max((i for i, p in enumerate(plans) if "rows" in p), key=lambda i: (plans[i]["rows"], -i))
+        widest = _most_rows(plans)
         if "follow" not in plans[mine] and mine != widest:
             by_type.setdefault(op.type, []).append((op.id, widest))
     return [Changes(plans=tuple(changes)) for _, changes in sorted(by_type.items())]
+
+
+def _most_rows(plans: list[dict]) -> int | None:
+    """The index of the row split (``{"rows": n}``) with the most rows, the first of equals;
+    None without one."""
+    rows = [i for i, p in enumerate(plans) if set(p) == {"rows"}]
+    return max(rows, key=lambda i: (plans[i]["rows"], -i)) if rows else None
 
 
 def grid_heads(layout, sc):
@@ -109,11 +116,11 @@ def grid_heads(layout, sc):
             boundaries.append((op_id, offset))
             for c in sorted(est.consumers(op_id)):
                 own = sc.plans[c]
-                if reg.get(sc.graph.ops[c].type).follows == "rows" and "follow" in own[layout["ops"][str(c)]["plan"]]:
-                    rows = [j for j, p in enumerate(own) if set(p) == {"rows"}]
-                    if rows:
-                        plans.append((c, max(rows, key=lambda j: (own[j]["rows"], -j))))
-                        boundaries.append((c, offset))
+                widest = _most_rows(own)
+                if widest is not None and reg.get(sc.graph.ops[c].type).follows == "rows" \
+                        and "follow" in own[layout["ops"][str(c)]["plan"]]:
+                    plans.append((c, widest))
+                    boundaries.append((c, offset))
         out.append(Changes(plans=tuple(plans), boundaries=tuple(boundaries)))
     return out
 
