@@ -3,6 +3,8 @@ clean in a fresh tree with an empty cache, comparing the package, the profile an
 digest. Each row also says which tasks the incremental build ran, and some rows pin that down
 (a comment edit runs nothing, a machine edit no kernel reads recompiles no kernel, building from
 another directory or a moved tree is a no-op). The table is printed at the end of the run.
+Changes that leave the same files and environment (an edit with its mtime restored, a touch, a
+build from elsewhere) share one clean build.
 
 Each tree carries its own copy of ipubuild/ (first on PYTHONPATH), so that changes can edit the
 compiler's code as a developer would; every build compiles kernels with one wrapper script around
@@ -24,6 +26,7 @@ from buildtree import PLANNING_TASKS, SMALL, copy_ipubuild, doit, env, make_tree
 NAME = "small"
 TEXT = SMALL.replace("rounds = 3", "rounds = 1")
 ROWS: list[tuple] = []
+CLEAN: dict[str, tuple[dict, dict]] = {}     # change id ("base": no change) -> its clean build's (refs, outputs)
 WRAPPER = '#!/bin/sh\nexec gcc "$@"\n'
 
 
@@ -33,6 +36,7 @@ class Change:
     apply: Callable          # apply(tree, environ) -> environ (edits files; may return a new env)
     expect: Callable = None  # expect(executed tasks) -> None (asserts)
     build_args: Callable = None  # build_args(tree) -> (cwd, args) for the incremental build
+    clean_as: str = None     # the change whose clean build this one's is (the same files and environment)
 
 
 def _edit(rel: str, old: str, new: str, *, keep_mtime: bool = False):
@@ -127,7 +131,7 @@ CHANGES = [
     # code edits that keep the kernel's numbers (a changed coefficient would fail the numerical test)
     Change("kernel code edit", _edit("ipubuild/kernels/gelu.c", "IPU_VERTEX\n{", PROBE + "IPU_VERTEX\n{"), ran_no_planning),
     Change("kernel edit, mtime restored", _edit("ipubuild/kernels/gelu.c", "IPU_VERTEX\n{", PROBE + "IPU_VERTEX\n{",
-                                                keep_mtime=True)),
+                                                keep_mtime=True), clean_as="kernel code edit"),
     Change("kernel comment edit", _append("ipubuild/kernels/matmul.c", "/* a comment */\n"),
            ran_only("compile_kernels:", "compile_kernels_counted:", "build:")),
     Change("kernel estimator edit", _append("ipubuild/kernels/gelu_cycles.py", "\nPROBE = 3\n"), ran_planning),
@@ -139,7 +143,8 @@ CHANGES = [
     Change("target: numerics gate", _append(f"targets/{NAME}.toml", "[numerics]\nmin_cosine = 0.995\n"),
            ran_only("check_numerics:", "build:")),
     Change("target: model width", _edit(f"targets/{NAME}.toml", "mlp = 128", "mlp = 192")),
-    Change("target edit, mtime restored", _edit(f"targets/{NAME}.toml", "mlp = 128", "mlp = 192", keep_mtime=True)),
+    Change("target edit, mtime restored", _edit(f"targets/{NAME}.toml", "mlp = 128", "mlp = 192", keep_mtime=True),
+           clean_as="target: model width"),
     Change("machine: sync cycles", _edit("ipubuild/machines/ipu21.toml", "sync_cycles = 600", "sync_cycles = 650"),
            ran_nothing_of("compile_kernels:")),
     Change("machine: code quantum", _edit("ipubuild/machines/ipu21.toml", "reservation_quantum = 4096",
@@ -151,8 +156,8 @@ CHANGES = [
     Change("cast policy code edit", _append("ipubuild/builtin/casts.py", "\nPROBE = 2\n")),
     Change("plugin installed", _plugin(True)),
     Change("locale and time zone", _env(LC_ALL="C", TZ="Asia/Tokyo"), ran_nothing),
-    Change("every source touched", _touch_all, ran_nothing),
-    Change("built from another directory", lambda tree, environ: environ, ran_nothing,
+    Change("every source touched", _touch_all, ran_nothing, clean_as="base"),
+    Change("built from another directory", lambda tree, environ: environ, ran_nothing, clean_as="base",
            build_args=lambda tree: (tree.parent, ["-f", str(tree / "dodo.py"), "-d", str(tree.parent)])),
 ]
 
@@ -171,6 +176,15 @@ def _source_tree(path: Path, code: Path) -> Path:
     tree = make_tree(path, {NAME: TEXT})
     copy_ipubuild(tree, source=code)
     return tree
+
+
+def _clean_build(tmp_path: Path, code: Path, cc: Path, change: Change) -> tuple[dict, dict]:
+    """The artifact digests and outputs of ``change`` built clean in a fresh tree."""
+    clean = _source_tree(tmp_path / "clean" / "tree", code)
+    cc.write_text(WRAPPER)
+    ref = doit(clean, f"build:{NAME}", environ=change.apply(clean, _env_of(clean, cc)))
+    assert ref.returncode == 0, ref.tail()
+    return _refs(clean), _outputs(clean)
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +212,7 @@ def built(tmp_path_factory, code, cc) -> Path:
     tree = _source_tree(base / "tree", code)
     run = doit(tree, f"build:{NAME}", environ=_env_of(tree, cc))
     assert run.returncode == 0 and "numericalTest=PASS" in run.stdout, run.tail()
+    CLEAN["base"] = (_refs(tree), _outputs(tree))
     return tree
 
 
@@ -224,19 +239,16 @@ def test_incremental_build_equals_clean_build(tmp_path, built, code, cc, change)
     run = doit(cwd, *args, f"build:{NAME}", environ=environ)
     assert run.returncode == 0 and "numericalTest=" in run.stdout, run.tail()
 
-    # clean: the same change on a fresh tree with an empty cache
-    clean = _source_tree(tmp_path / "clean" / "tree", code)
-    cc.write_text(WRAPPER)
-    cenv = change.apply(clean, _env_of(clean, cc))
-    ref = doit(clean, f"build:{NAME}", environ=cenv)
-    assert ref.returncode == 0, ref.tail()
+    # clean: the same change on a fresh tree with an empty cache (built once for changes alike)
+    clean_refs, clean_outputs = CLEAN.get(change.clean_as) or _clean_build(tmp_path, code, cc, change)
+    CLEAN.setdefault(change.id, (clean_refs, clean_outputs))
 
-    stale = sorted(a for a, d in _refs(clean).items() if _refs(inc).get(a) != d)
-    same = not stale and _outputs(inc) == _outputs(clean)
+    stale = sorted(a for a, d in clean_refs.items() if _refs(inc).get(a) != d)
+    same = not stale and _outputs(inc) == clean_outputs
     ROWS.append((change.id, len([t for t in run.executed if not t.startswith("build:")]), run.executed,
                  "incremental == clean" if same else f"STALE: {stale[:4]}"))
     assert not stale, f"artifacts that differ from a clean build: {stale}\n{run.tail()}"
-    assert _outputs(inc) == _outputs(clean)
+    assert _outputs(inc) == clean_outputs
     if change.expect:
         change.expect(run)
 
