@@ -494,6 +494,52 @@ def test_fingerprint_of_unknown_module_is_stable():
     assert fingerprint.code_fingerprint("no_such_module_xyz") == canonical.digest(b"")
 
 
+def test_a_fresh_trees_modules_are_analysed_on_every_core_to_the_same_facts(tmp_path, monkeypatch):
+    """``prefetch`` (a fresh clone's ~100 modules, 0.6 s on one core) forks a process per core
+    and remembers what each module's analysis gives one at a time; a file that does not parse is
+    left to its importer; a memo that holds them all forks nothing."""
+    sources = sorted(Path(fingerprint.__file__).parent.parent.rglob("*.py"))[:40]
+    folder, hour_ago = tmp_path / "src", os.stat(sources[0]).st_mtime - 3600
+    folder.mkdir()
+    files = []
+    for i, src in enumerate(sources):
+        f = folder / f"m{i}.py"
+        f.write_bytes(src.read_bytes())
+        os.utime(f, (hour_ago, hour_ago))       # settled: facts about newer files are not kept
+        files.append(str(f))
+    broken = folder / "broken.py"
+    broken.write_text("def f(:\n")
+    os.utime(broken, (hour_ago, hour_ago))
+    expected = {f: fingerprint._analyse(f) for f in files}
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    analyse = fingerprint._analyse
+
+    def counted(path):
+        (pids / str(os.getpid())).touch()
+        return analyse(path)
+    monkeypatch.setattr(fingerprint, "_analyse", counted)
+    monkeypatch.setattr(fingerprint.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(fingerprint.threading, "active_count", lambda: 1)   # xdist's worker has threads
+    fingerprint.use_memo(tmp_path / "memo.json")
+    try:
+        fingerprint.prefetch(files + [str(broken)])     # under way: the memo's save takes its facts
+        fingerprint.save_memo()
+        workers = {p.name for p in pids.iterdir()}
+        assert len(workers) == 2 and str(os.getpid()) not in workers
+        memo = fingerprint._memo
+        assert [p for p, _ in memo.missing(files + [str(broken)], fingerprint.AST_KIND)] == [str(broken)]
+        for p in pids.iterdir():
+            p.unlink()
+        assert all(memo.get(f, lambda _: pytest.fail("analysed again"), kind=fingerprint.AST_KIND) == expected[f]
+                   for f in files)
+        fingerprint.prefetch(files)
+        fingerprint.save_memo()
+        assert not list(pids.iterdir())
+    finally:
+        fingerprint.use_memo(None)
+
+
 # --- canonical serialisation ------------------------------------------------------------------
 
 NESTED = {

@@ -18,12 +18,17 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
     """Every task of the tree, as JSON-able entries, and the files the analysis read
     (``previous``, the last analysis, supplies the compiler's identity if it has gone)."""
     import ipubuild
+    from ..engine import fingerprint
     from ..engine.files import StatMemo
     from ..engine.store import cache_dir, cache_identity
     watched = python_files(Path(ipubuild.__file__).parent) + search_path(root)
     watched += [str(root / "targets")]
     cache = cache_dir(root)
     watched.append(str(cache / "id"))
+    # a fresh clone's ~100 modules of ipubuild parsed on every core while the plugins load (in
+    # the memo the workspace uses)
+    fingerprint.use_memo(cache_dir(Path(root).resolve()) / "fingerprints.json")
+    fingerprint.prefetch(watched)
     tasks: list[dict] = []
     try:
         from . import build as b

@@ -119,6 +119,7 @@ class StatMemo:
         self.path = Path(path) if path else None
         self._entries: dict | None = None
         self._dirty = False
+        self._unsettled: dict = {}      # facts about files too new to remember on disk: this process's
 
     def _load(self) -> dict:
         if self._entries is None:
@@ -139,7 +140,7 @@ class StatMemo:
             return compute(path)
         entries = self._load()
         name = f"{kind}:{os.path.abspath(path)}"
-        hit = entries.get(name)
+        hit = entries.get(name) or self._unsettled.get(name)
         if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
             return hit[1]
         value = compute(path)
@@ -152,6 +153,30 @@ class StatMemo:
 
     def digest(self, path) -> str | None:
         return self.get(path, file_digest)
+
+    def missing(self, paths, kind: str) -> list[tuple[str, list]]:
+        """``[(path, stat key)]`` of those of ``paths`` with no fact under ``kind`` for their
+        current stat key (the key read now, before any computation: see ``remember``)."""
+        entries, out = self._load(), []
+        for path in paths:
+            key = stat_key_of(path)
+            name = f"{kind}:{os.path.abspath(path)}"
+            hit = entries.get(name) or self._unsettled.get(name)
+            if key is not None and not (isinstance(hit, list) and len(hit) == 2 and hit[0] == key):
+                out.append((path, key))
+        return out
+
+    def remember(self, path, key: list, value, kind: str) -> None:
+        """Remember ``value``, computed from ``path`` after its stat key ``key`` was read, as
+        ``get`` would have (a file changed within the last second only for this process)."""
+        if value is None:
+            return
+        name = f"{kind}:{os.path.abspath(path)}"
+        if settled(key):
+            self._load()[name] = [key, value]
+            self._dirty = True
+        else:
+            self._unsettled[name] = [key, value]
 
     def save(self) -> None:
         if self._dirty and self.path is not None:
