@@ -494,50 +494,71 @@ def test_fingerprint_of_unknown_module_is_stable():
     assert fingerprint.code_fingerprint("no_such_module_xyz") == canonical.digest(b"")
 
 
-def test_a_fresh_trees_modules_are_analysed_on_every_core_to_the_same_facts(tmp_path, monkeypatch):
-    """``prefetch`` (a fresh clone's ~100 modules, 0.6 s on one core) forks a process per core
-    and remembers what each module's analysis gives one at a time; a file that does not parse is
-    left to its importer; a memo that holds them all forks nothing."""
+PREFETCH = """
+import concurrent.futures, json, os, sys
+from pathlib import Path
+from ipubuild.engine import fingerprint
+files, out = json.loads(sys.argv[1]), Path(sys.argv[2])
+pools = []
+class Pool(concurrent.futures.ProcessPoolExecutor):
+    def __init__(self, workers, **kw):
+        pools.append(workers)
+        super().__init__(workers, **kw)
+concurrent.futures.ProcessPoolExecutor = Pool
+os.cpu_count = lambda: 2
+analyse = fingerprint._analyse
+def counted(path):
+    (out / "pids" / str(os.getpid())).touch()
+    return analyse(path)
+fingerprint._analyse = counted
+fingerprint.use_memo(out / "memo.json")
+fingerprint.prefetch(files)
+fingerprint.save_memo()
+left = [m[0] for m in fingerprint._memo.missing(files, fingerprint.AST_KIND)]
+facts = {f: fingerprint._memo.get(f, lambda _: "analysed again", kind=fingerprint.AST_KIND) for f in files}
+fingerprint.prefetch(files)
+fingerprint.finish_prefetch()
+print(json.dumps({"pools": pools, "pid": os.getpid(), "left": left, "facts": facts}))
+"""
+
+
+def test_a_fresh_trees_modules_are_analysed_on_every_core_to_the_same_facts(tmp_path):
+    """``prefetch`` (a fresh clone's ~100 modules, 0.6 s on one core) analyses them in a pool of
+    a process per core, and remembers for each the facts ``_analyse`` gives one at a time; a file
+    that does not parse is left to its importer; a memo that holds them all starts no pool. (In
+    a process of its own: the prefetch forks only from a process with one thread.)"""
     sources = sorted(Path(fingerprint.__file__).parent.parent.rglob("*.py"))[:40]
-    folder, hour_ago = tmp_path / "src", os.stat(sources[0]).st_mtime - 3600
-    folder.mkdir()
+    (tmp_path / "src").mkdir()
+    (tmp_path / "pids").mkdir()
     files = []
     for i, src in enumerate(sources):
-        f = folder / f"m{i}.py"
+        f = tmp_path / "src" / f"m{i}.py"
         f.write_bytes(src.read_bytes())
-        os.utime(f, (hour_ago, hour_ago))       # settled: facts about newer files are not kept
         files.append(str(f))
-    broken = folder / "broken.py"
+    broken = tmp_path / "src" / "broken.py"
     broken.write_text("def f(:\n")
-    os.utime(broken, (hour_ago, hour_ago))
-    expected = {f: fingerprint._analyse(f) for f in files}
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    analyse = fingerprint._analyse
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", PREFETCH, json.dumps(files + [str(broken)]), str(tmp_path)],
+                         cwd=root, env=dict(os.environ, PYTHONPATH=str(root)), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert got["pools"] == [2]
+    workers = {p.name for p in (tmp_path / "pids").iterdir()}
+    assert workers and str(got["pid"]) not in workers
+    assert got["left"] == [str(broken)]
+    assert got["facts"] == {f: fingerprint._analyse(f) for f in files} | {str(broken): "analysed again"}
 
-    def counted(path):
-        (pids / str(os.getpid())).touch()
-        return analyse(path)
-    monkeypatch.setattr(fingerprint, "_analyse", counted)
-    monkeypatch.setattr(fingerprint.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(fingerprint.threading, "active_count", lambda: 1)   # xdist's worker has threads
-    fingerprint.use_memo(tmp_path / "memo.json")
-    try:
-        fingerprint.prefetch(files + [str(broken)])     # under way: the memo's save takes its facts
-        fingerprint.save_memo()
-        workers = {p.name for p in pids.iterdir()}
-        assert len(workers) == 2 and str(os.getpid()) not in workers
-        memo = fingerprint._memo
-        assert [p for p, _ in memo.missing(files + [str(broken)], fingerprint.AST_KIND)] == [str(broken)]
-        for p in pids.iterdir():
-            p.unlink()
-        assert all(memo.get(f, lambda _: pytest.fail("analysed again"), kind=fingerprint.AST_KIND) == expected[f]
-                   for f in files)
-        fingerprint.prefetch(files)
-        fingerprint.save_memo()
-        assert not list(pids.iterdir())
-    finally:
-        fingerprint.use_memo(None)
+
+def test_the_analysis_prefetches_the_files_fingerprints_read():
+    """The files ``prefetch`` is given (every module of ipubuild, as the analysis lists them) are
+    the ones the fingerprints read, by the same names: else it parses for nothing."""
+    import ipubuild
+    from ipubuild.build.analysis import python_files
+    listed = set(python_files(Path(ipubuild.__file__).parent))
+    read = {f for ph in PHASES.values() if ph.fn.__module__.startswith("ipubuild.")
+            for f in fingerprint.files_of(ph.fn.__module__)}
+    assert read and read <= listed
 
 
 # --- canonical serialisation ------------------------------------------------------------------

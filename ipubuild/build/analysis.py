@@ -19,16 +19,25 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
     (``previous``, the last analysis, supplies the compiler's identity if it has gone)."""
     import ipubuild
     from ..engine import fingerprint
+    from ..engine.store import cache_dir
+    # a fresh clone's ~100 modules of ipubuild parsed on every core while the plugins load (in
+    # the memo the workspace uses)
+    fingerprint.use_memo(cache_dir(Path(root).resolve()) / "fingerprints.json")
+    fingerprint.prefetch(python_files(Path(ipubuild.__file__).parent))
+    try:
+        return _tasks_and_watched(root, previous)
+    finally:
+        fingerprint.finish_prefetch()       # its processes gone before anything forks
+
+
+def _tasks_and_watched(root: Path, previous: dict | None) -> dict:
+    import ipubuild
     from ..engine.files import StatMemo
     from ..engine.store import cache_dir, cache_identity
     watched = python_files(Path(ipubuild.__file__).parent) + search_path(root)
     watched += [str(root / "targets")]
     cache = cache_dir(root)
     watched.append(str(cache / "id"))
-    # a fresh clone's ~100 modules of ipubuild parsed on every core while the plugins load (in
-    # the memo the workspace uses)
-    fingerprint.use_memo(cache_dir(Path(root).resolve()) / "fingerprints.json")
-    fingerprint.prefetch(watched)
     tasks: list[dict] = []
     try:
         from . import build as b

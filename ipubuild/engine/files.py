@@ -140,9 +140,9 @@ class StatMemo:
             return compute(path)
         entries = self._load()
         name = f"{kind}:{os.path.abspath(path)}"
-        hit = entries.get(name) or self._unsettled.get(name)
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
-            return hit[1]
+        for hit in (entries.get(name), self._unsettled.get(name)):
+            if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+                return hit[1]
         value = compute(path)
         # a file modified within the clock's granularity of this read could change again under
         # the same mtime: only remember facts about files older than a second
@@ -154,25 +154,31 @@ class StatMemo:
     def digest(self, path) -> str | None:
         return self.get(path, file_digest)
 
-    def missing(self, paths, kind: str) -> list[tuple[str, list]]:
-        """``[(path, stat key)]`` of those of ``paths`` with no fact under ``kind`` for their
-        current stat key (the key read now, before any computation: see ``remember``)."""
-        entries, out = self._load(), []
+    def _held(self, name: str, key) -> bool:
+        return any(isinstance(hit, list) and len(hit) == 2 and hit[0] == key
+                   for hit in (self._load().get(name), self._unsettled.get(name)))
+
+    def missing(self, paths, kind: str) -> list[tuple[str, list, int]]:
+        """``[(path, stat key, when it was read)]`` of those of ``paths`` (each once) with no fact
+        under ``kind`` for their current stat key: what ``remember`` takes back."""
+        import time
+        out, seen = [], set()
         for path in paths:
-            key = stat_key_of(path)
             name = f"{kind}:{os.path.abspath(path)}"
-            hit = entries.get(name) or self._unsettled.get(name)
-            if key is not None and not (isinstance(hit, list) and len(hit) == 2 and hit[0] == key):
-                out.append((path, key))
+            key = stat_key_of(path)
+            if key is not None and name not in seen and not self._held(name, key):
+                seen.add(name)
+                out.append((path, key, time.time_ns()))
         return out
 
-    def remember(self, path, key: list, value, kind: str) -> None:
-        """Remember ``value``, computed from ``path`` after its stat key ``key`` was read, as
-        ``get`` would have (a file changed within the last second only for this process)."""
+    def remember(self, path, key: list, read_at: int, value, kind: str) -> None:
+        """Remember ``value``, computed from ``path`` after its stat key ``key`` was read at
+        ``read_at`` (ns), as ``get`` would have; facts about a file changed within a second of
+        that read are kept for this process only, as ``code_fingerprint``'s are."""
         if value is None:
             return
         name = f"{kind}:{os.path.abspath(path)}"
-        if settled(key):
+        if settled(key, read_at):
             self._load()[name] = [key, value]
             self._dirty = True
         else:
@@ -191,9 +197,11 @@ def tree_memo(root) -> StatMemo:
     return StatMemo(Path(root) / ".ipubuild" / "digests.json")
 
 
-def settled(key: list[int]) -> bool:
+def settled(key: list[int], now: int | None = None) -> bool:
+    """Whether a file of stat key ``key``, read at ``now`` (ns; by default, now), was last changed
+    over a second before: a later change cannot then leave the same key."""
     import time
-    return time.time_ns() - max(key[1], key[2]) > 1_000_000_000
+    return (time.time_ns() if now is None else now) - max(key[1], key[2]) > 1_000_000_000
 
 
 def tree_path(path, root: Path) -> Path:

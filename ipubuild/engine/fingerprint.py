@@ -27,15 +27,15 @@ _memo = StatMemo(None)
 def use_memo(path: Path | None) -> None:
     """Remember per-file facts in ``path`` (the workspace's cache directory sets it)."""
     global _memo
-    _collect()
     if _memo.path != (Path(path) if path else None):
+        finish_prefetch()
         _memo.save()
         _memo = StatMemo(path)
         clear()
 
 
 def save_memo() -> None:
-    _collect()
+    finish_prefetch()
     _memo.save()
 
 
@@ -109,17 +109,19 @@ def _analyse(path: str) -> list:
 #: the fewest unanalysed files worth a process per core: a fresh clone has ~100 (0.6 s on one core);
 #: an edit leaves one or two, which ``_facts`` parses when asked
 PARALLEL_FROM = 16
-#: a prefetch under way: ``(pool, [(path, stat key)], future of their facts)``
+#: a prefetch under way: ``(the process that started it, pool, [(path, stat key, read at)], future
+#: of their facts)``
 _pending: list = []
+_pending_lock = threading.Lock()
 
 
 def prefetch(paths) -> None:
     """Start analysing the Python files among ``paths`` that the memo holds nothing for, on
     every core, when there are many of them (a fresh clone), and return: the caller goes on
     (loading plugins, importing the compiler) while they are parsed, and the first fingerprint
-    asked for, or the memo's next save or switch, takes their facts. Only from a process with
-    one thread (forking one with more could copy a held lock)."""
-    _collect()
+    asked for, the memo's next save or switch, or ``finish_prefetch`` takes their facts. Only
+    from a process with one thread (forking one with more could copy a held lock)."""
+    finish_prefetch()
     missing = _memo.missing([p for p in paths if str(p).endswith(".py")], kind=AST_KIND)
     workers = min(os.cpu_count() or 1, len(missing) // (PARALLEL_FROM // 2))
     if len(missing) < PARALLEL_FROM or workers < 2 or threading.active_count() > 1 \
@@ -127,27 +129,33 @@ def prefetch(paths) -> None:
         return
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
     chunk = max(1, len(missing) // (4 * workers))
-    _pending.append((pool, missing, pool.map(_analysed, [p for p, _ in missing], chunksize=chunk)))
+    with _pending_lock:
+        _pending.append((os.getpid(), pool, missing, pool.map(_analysed, [m[0] for m in missing], chunksize=chunk)))
 
 
-def _collect() -> None:
-    """Remember the facts of a prefetch under way (waiting for it), and shut its processes down."""
-    while _pending:
-        pool, missing, facts = _pending.pop()
-        try:
-            for (path, key), value in zip(missing, facts):
-                _memo.remember(path, key, value, kind=AST_KIND)
-        except concurrent.futures.process.BrokenProcessPool:
-            pass                            # a worker killed: ``_facts`` parses what is left
-        finally:
-            pool.shutdown()
+def finish_prefetch() -> None:
+    """Take the facts of a prefetch under way (waiting for it), and stop its processes. A process
+    forked since then drops it: the processes are its parent's."""
+    with _pending_lock:
+        while _pending:
+            pid, pool, missing, facts = _pending.pop()
+            if pid != os.getpid():
+                continue
+            try:
+                for (path, key, read_at), value in zip(missing, facts):
+                    _memo.remember(path, key, read_at, value, kind=AST_KIND)
+            except concurrent.futures.process.BrokenProcessPool:
+                pass                        # a worker killed: ``_facts`` parses what is left
+            finally:
+                pool.shutdown()
 
 
 def _analysed(path: str) -> list | None:
-    """``_analyse``, or None for a file that does not parse (its importer reports it)."""
+    """``_analyse``, or None for a file it fails on: ``_facts`` parses it again when asked, and
+    its error is raised there, for the module that needs it."""
     try:
         return _analyse(path)
-    except (OSError, SyntaxError, ValueError):
+    except Exception:   # noqa: BLE001 - any failure is the importer's to report, not the prefetch's
         return None
 
 
@@ -155,7 +163,7 @@ AST_KIND = "ast1"
 
 
 def _facts(modname: str) -> list | None:
-    _collect()
+    finish_prefetch()
     path = source_file(modname)
     return None if path is None else _memo.get(path, _analyse, kind=AST_KIND)
 
