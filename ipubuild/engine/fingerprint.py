@@ -136,6 +136,8 @@ def prefetch(paths) -> None:
 def finish_prefetch() -> None:
     """Take the facts of a prefetch under way (waiting for it), and stop its processes. A process
     forked since then drops it: the processes are its parent's."""
+    if not _pending:        # nearly always: no lock taken (a process forked while one was held)
+        return
     with _pending_lock:
         while _pending:
             pid, pool, missing, facts = _pending.pop()
