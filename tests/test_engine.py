@@ -550,6 +550,27 @@ def test_a_fresh_trees_modules_are_analysed_on_every_core_to_the_same_facts(tmp_
     assert got["facts"] == {f: fingerprint._analyse(f) for f in files} | {str(broken): "analysed again"}
 
 
+def test_a_process_running_native_threads_never_forks_to_prefetch(tmp_path):
+    """With OpenBLAS's thread pool running (numpy loaded, a product computed: threads Python does
+    not count), ``prefetch`` forks nothing, and BLAS still works after it: a fork beside the pool
+    left OpenBLAS spinning forever on the parent's next product."""
+    files = []
+    for i, src in enumerate(sorted(Path(fingerprint.__file__).parent.parent.rglob("*.py"))[:40]):
+        f = tmp_path / f"m{i}.py"
+        f.write_bytes(src.read_bytes())
+        files.append(str(f))
+    (tmp_path / "pids").mkdir()
+    script = "import numpy as np\nnp.ones((256, 256)) @ np.ones((256, 256))\n" + PREFETCH.replace(
+        "print(json.dumps(", "np.ones((256, 256)) @ np.ones((256, 256))\nprint(json.dumps(")
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(files), str(tmp_path)], cwd=root,
+                         env=dict(os.environ, PYTHONPATH=str(root), OPENBLAS_NUM_THREADS="2"),
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout)
+    assert got["pools"] == [] and not list((tmp_path / "pids").iterdir()) and got["left"] == files
+
+
 def test_the_analysis_prefetches_the_files_fingerprints_read():
     """The files ``prefetch`` is given (every module of ipubuild, as the analysis lists them) are
     the ones the fingerprints read, by the same names: else it parses for nothing."""

@@ -120,17 +120,28 @@ def prefetch(paths) -> None:
     every core, when there are many of them (a fresh clone), and return: the caller goes on
     (loading plugins, importing the compiler) while they are parsed, and the first fingerprint
     asked for, the memo's next save or switch, or ``finish_prefetch`` takes their facts. Only
-    from a process with one thread (forking one with more could copy a held lock)."""
+    from a process with one thread (``_single_threaded``)."""
     finish_prefetch()
     missing = _memo.missing([p for p in paths if str(p).endswith(".py")], kind=AST_KIND)
     workers = min(os.cpu_count() or 1, len(missing) // (PARALLEL_FROM // 2))
-    if len(missing) < PARALLEL_FROM or workers < 2 or threading.active_count() > 1 \
+    if len(missing) < PARALLEL_FROM or workers < 2 or not _single_threaded() \
             or "fork" not in multiprocessing.get_all_start_methods():
         return
     pool = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
     chunk = max(1, len(missing) // (4 * workers))
     with _pending_lock:
         _pending.append((os.getpid(), pool, missing, pool.map(_analysed, [m[0] for m in missing], chunksize=chunk)))
+
+
+def _single_threaded() -> bool:
+    """Whether this process runs one thread, native ones counted: the only state it may fork in.
+    A thread pool that is not Python's counts too: an analysis in a build whose numpy had
+    already started OpenBLAS's pool forked beside it, and OpenBLAS in the parent then spun
+    forever on its next product (``check_numerics``'s). Where ``/proc`` cannot tell, no."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
 
 
 def finish_prefetch() -> None:
