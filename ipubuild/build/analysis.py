@@ -22,19 +22,20 @@ def analyse(root: Path, previous: dict | None = None) -> dict:
     from ..engine.store import cache_dir
     # a fresh clone's ~100 modules of ipubuild parsed on every core while the plugins load (in
     # the memo the workspace uses)
+    own = python_files(Path(ipubuild.__file__).parent)
     fingerprint.use_memo(cache_dir(Path(root).resolve()) / "fingerprints.json")
-    fingerprint.prefetch(python_files(Path(ipubuild.__file__).parent))
+    fingerprint.prefetch(own)
     try:
-        return _tasks_and_watched(root, previous)
+        return _tasks_and_watched(root, previous, own)
     finally:
         fingerprint.finish_prefetch()       # its processes gone before anything forks
 
 
-def _tasks_and_watched(root: Path, previous: dict | None) -> dict:
-    import ipubuild
+def _tasks_and_watched(root: Path, previous: dict | None, own: list[str]) -> dict:
+    """``analyse``'s result; ``own``: ipubuild's files and folders (``python_files``)."""
     from ..engine.files import StatMemo
     from ..engine.store import cache_dir, cache_identity
-    watched = python_files(Path(ipubuild.__file__).parent) + search_path(root)
+    watched = own + search_path(root)
     watched += [str(root / "targets")]
     cache = cache_dir(root)
     watched.append(str(cache / "id"))

@@ -138,25 +138,28 @@ class StatMemo:
         key = stat_key_of(path)
         if key is None:
             return compute(path)
-        entries = self._load()
         name = f"{kind}:{os.path.abspath(path)}"
-        for hit in (entries.get(name), self._unsettled.get(name)):
-            if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
-                return hit[1]
+        held = self._fact(name, key)
+        if held is not None:
+            return held
         value = compute(path)
         # a file modified within the clock's granularity of this read could change again under
         # the same mtime: only remember facts about files older than a second
         if value is not None and settled(key):
-            entries[name] = [key, value]
+            self._load()[name] = [key, value]
             self._dirty = True
         return value
 
     def digest(self, path) -> str | None:
         return self.get(path, file_digest)
 
-    def _held(self, name: str, key) -> bool:
-        return any(isinstance(hit, list) and len(hit) == 2 and hit[0] == key
-                   for hit in (self._load().get(name), self._unsettled.get(name)))
+    def _fact(self, name: str, key):
+        """The fact remembered under ``name`` (on disk, or this process's) for stat key ``key``,
+        or None."""
+        for hit in (self._load().get(name), self._unsettled.get(name)):
+            if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+                return hit[1]
+        return None
 
     def missing(self, paths, kind: str) -> list[tuple[str, list, int]]:
         """``[(path, stat key, when it was read)]`` of those of ``paths`` (each once) with no fact
@@ -166,7 +169,7 @@ class StatMemo:
         for path in paths:
             name = f"{kind}:{os.path.abspath(path)}"
             key = stat_key_of(path)
-            if key is not None and name not in seen and not self._held(name, key):
+            if key is not None and name not in seen and self._fact(name, key) is None:
                 seen.add(name)
                 out.append((path, key, time.time_ns()))
         return out

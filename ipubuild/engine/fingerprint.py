@@ -22,6 +22,7 @@ from pathlib import Path
 from .files import StatMemo
 
 _memo = StatMemo(None)
+AST_KIND = "ast1"       # the memo's kind for a module's facts (tree digest, imports)
 
 
 def use_memo(path: Path | None) -> None:
@@ -69,18 +70,12 @@ def _statements(tree: ast.AST):
 
 
 def _strip_docstring(node: ast.AST) -> None:
+    """Drop the docstring of a module, class or function ``node``."""
     if isinstance(node, _SCOPES):
         body = node.body
         if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
                 and isinstance(body[0].value.value, str):
             node.body = body[1:] or [ast.Pass()]
-
-
-def strip_docstrings(tree: ast.AST) -> ast.AST:
-    """``tree`` without the docstrings of its module, classes and functions."""
-    for node in _statements(tree):
-        _strip_docstring(node)
-    return tree
 
 
 #: one ``ast.parse`` at a time: CPython 3.11's parser counts its recursion depth per interpreter,
@@ -171,8 +166,6 @@ def _analysed(path: str) -> list | None:
     except Exception:   # noqa: BLE001 - any failure is the importer's to report, not the prefetch's
         return None
 
-
-AST_KIND = "ast1"
 
 
 def _facts(modname: str) -> list | None:
