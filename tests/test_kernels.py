@@ -690,3 +690,32 @@ def test_checked_build_exports_its_device_interface(kernels):
     out = subprocess.run([nm, "-D", "--defined-only", str(p)], capture_output=True, text=True).stdout
     syms = sorted(ln.split()[-1] for ln in out.splitlines() if ln.split() and ln.split()[-2] in "TtDdBb")
     assert syms == ["ipu_tile_bytes", "ipu_tile_map", "ipu_trap_reason", "ipu_vertex"], syms
+
+
+# ---------------------------------------------------------------- how the compiler is started
+
+def test_the_compiler_starts_without_forking_this_process():
+    """A kernel compiles (niced, as the counted builds are) and the compiler's identity is read
+    without a fork() of the build's process: a fork runs every ``pthread_atfork`` handler, and
+    OpenBLAS's stops its thread pool under a product running on another thread — a build hung
+    so in ``check_numerics`` while its counted kernels compiled behind it."""
+    import os
+    from ipubuild.compiler import kernels as K
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))
+    code, obj, _ = K.run_compiler("x", "x.c", {"x.c": b"int f(int x) { return x; }\n"}, "x.c", [], "cc",
+                                  K.DEFAULT_CFLAGS, nice=10)
+    assert code == 0 and obj.startswith(b"\x7fELF")
+    assert K._run(["cc", "--version"])
+    assert forks == []
+
+
+def test_the_compiler_runs_under_its_cpu_limit():
+    """The limit reaches the compiler's own processes (set in the child, inherited by cc1), and
+    a compiler that cannot start is still an OSError, as ``subprocess`` gives it."""
+    from ipubuild.compiler import kernels as K
+    out = subprocess.run(K.limited(["sh", "-c", "ulimit -S -t; ulimit -H -t"], seconds=7, nice=3),
+                         capture_output=True, text=True)
+    assert out.stdout.split() == ["7", "12"]
+    with pytest.raises(OSError, match="No such file"):
+        K._run(["ipubuild-no-such-compiler", "--version"])

@@ -373,3 +373,52 @@ def test_a_writable_cache_that_sqlite_briefly_calls_read_only_keeps_what_is_writ
         assert again.get(key) == b"kept across processes"
     finally:
         again.close()
+
+
+# ---------------------------------------------------------------- batches of writes
+
+def test_threads_opening_an_empty_index_share_one_handle(tmp_path):
+    """Two threads that both find an index unopened get the same handle, also when it holds
+    nothing yet (an empty diskcache is falsy): a second handle on one index does not see the
+    first one's open batch, and a phase's writes then waited for its own batch to end."""
+    import threading
+    store = Store(tmp_path / "cache")
+    got = []
+    with store._open_lock:              # both threads pass the first look before either opens it
+        threads = [threading.Thread(target=lambda: got.append(store.meta)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        threading.Event().wait(0.3)
+    for t in threads:
+        t.join(10)
+    assert len(got) == 2 and got[0] is got[1] and len(got[0]) == 0
+    store.close()
+
+
+def test_a_batch_commits_each_index_once(store):
+    """A phase's outputs, their provenance and its action record are written in one transaction
+    per index (``Store.batch``), not one per write; nested batches join it."""
+    statements = []
+    for cache in (store.blobs, store.meta):
+        cache._con.set_trace_callback(statements.append)
+    with store.batch():
+        with store.batch():
+            digests = [store.put(os.urandom(n)) for n in (10, 50_000, 100_000)]
+        for d in digests:
+            store.add_provenance(d, {"phase": "p", "output": d[:4]})
+        store.put_action("k" * 64, {"out": digests[0]})
+    assert [s for s in statements if s in ("BEGIN IMMEDIATE", "COMMIT")] == ["BEGIN IMMEDIATE"] * 2 + ["COMMIT"] * 2
+    assert all(store.get(d) is not None for d in digests) and store.get_action("k" * 64) == {"out": digests[0]}
+    assert store.get_provenance(digests[2]) == [{"phase": "p", "output": digests[2][:4]}]
+
+
+def test_a_failed_batch_records_nothing(store):
+    """A write that fails inside a batch leaves no action record and no provenance behind."""
+    d = store.put(b"before")
+    with pytest.raises(RuntimeError):
+        with store.batch():
+            store.add_provenance(d, {"phase": "p"})
+            store.put_action("a" * 64, {"out": d})
+            raise RuntimeError("the disk filled up")
+    assert store.get_action("a" * 64) is None and store.get_provenance(d) == []
+    assert store.get(d) == b"before"

@@ -16,9 +16,9 @@ tile memory plan, and so every planning phase, untouched (as an incremental link
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
-import resource
 import shlex
 import shutil
 import signal
@@ -72,16 +72,32 @@ def compiler() -> tuple[str, str]:
 COMPILER_CPU_SECONDS = 300
 
 
-def _cpu_limit(seconds: int = COMPILER_CPU_SECONDS, nice: int = 0):
-    def limit():                     # in the child, before exec; inherited by cc1, as and ld
-        resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 5))
-        if nice:
-            os.nice(nice)
-    return limit
+#: sh's exit status for a command it cannot find or cannot execute
+_NOT_FOUND, _NOT_EXECUTABLE = 127, 126
+
+
+def limited(cmd: list[str], seconds: int = COMPILER_CPU_SECONDS, nice: int = 0) -> list[str]:
+    """``cmd`` under a limit of CPU ``seconds`` (inherited by cc1, as and ld) and, with ``nice``,
+    at a lower priority: set in the child by sh's ``ulimit`` and nice(1), never by a
+    ``preexec_fn``. A preexec_fn makes Python fork() rather than vfork(), which runs every
+    ``pthread_atfork`` handler of this process; OpenBLAS's stops its thread pool, and a product
+    running on another thread then waits for it for ever (the numerics check hung so while the
+    counted builds compiled behind it)."""
+    niced = ["nice", "-n", str(nice)] if nice and shutil.which("nice") else []
+    return [*niced, "/bin/sh", "-c", f'ulimit -S -t {seconds} && ulimit -H -t {seconds + 5} && exec "$@"',
+            "sh", *cmd]
+
+
+def _started(proc: subprocess.CompletedProcess, program: str) -> subprocess.CompletedProcess:
+    """``proc``, or the OSError of a ``program`` that sh could not start."""
+    if proc.returncode in (_NOT_FOUND, _NOT_EXECUTABLE) and "sh: " in (proc.stderr or ""):
+        code = errno.ENOENT if proc.returncode == _NOT_FOUND else errno.EACCES
+        raise OSError(code, os.strerror(code), program)
+    return proc
 
 
 def _run(cmd: list[str]) -> str:
-    return subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_cpu_limit(30)).stdout
+    return _started(subprocess.run(limited(cmd, 30), capture_output=True, text=True), cmd[0]).stdout
 
 
 def compiler_files(cc: str) -> list[str]:
@@ -217,7 +233,8 @@ def run_compiler(name: str, source_name: str, files: dict[str, bytes], where: st
         cmd = [*shlex.split(cc), *shlex.split(cflags), *include, *[f"-D{k}={v}" for k, v in defines],
                "-o", str(Path(tmp) / "kernel.so"), source_name, *extra, "-lm"]
         try:
-            proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, preexec_fn=_cpu_limit(nice=nice))
+            proc = _started(subprocess.run(limited(cmd, nice=nice), cwd=cwd, capture_output=True, text=True),
+                            cmd[0])
         except OSError as exc:
             raise UserError(f"kernel {name}", f"cannot run the C compiler {cc!r}: {exc.strerror}") from None
         if proc.returncode in (-signal.SIGXCPU, -signal.SIGKILL) or "CPU time limit" in proc.stderr:

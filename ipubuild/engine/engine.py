@@ -176,22 +176,24 @@ class Engine:
         # the phase sees only the configuration it declared: an undeclared read fails at once
         with _gc_paused():
             blobs = ph.fn(Context(self, ph, inputs, _unflatten(subset)))
-        outputs, families = {}, {}
-        for out_name, data in sorted(blobs.items()):
-            family = next((o[:-2] for o in ph.outputs if o.endswith("/*") and out_name.startswith(o[:-1])), None)
-            if out_name not in ph.outputs and family is None:
+        for out_name in blobs:
+            if out_name not in ph.outputs and _family(ph, out_name) is None:
                 raise KeyError(f"phase {name} returned undeclared output {out_name}")
-            d = self.put(data)
-            self.store.add_provenance(d, {"phase": name, "inputs": inputs, "config": subset, "output": out_name})
-            if family is None:
-                outputs[out_name] = d
-            else:
-                families.setdefault(family, {})[out_name[len(family) + 1:]] = d
-        for family in (o[:-2] for o in ph.outputs if o.endswith("/*")):
-            index = self.put(canonical.dumps(families.get(family, {})))
-            self.store.add_provenance(index, {"phase": name, "inputs": inputs, "config": subset, "output": family})
-            outputs[family] = index
-        self.store.put_action(key, outputs)
+        outputs, families = {}, {}
+        with self.store.batch():            # the outputs, their provenance and the record: one commit
+            for out_name, data in sorted(blobs.items()):
+                family = _family(ph, out_name)
+                d = self.put(data)
+                self.store.add_provenance(d, {"phase": name, "inputs": inputs, "config": subset, "output": out_name})
+                if family is None:
+                    outputs[out_name] = d
+                else:
+                    families.setdefault(family, {})[out_name[len(family) + 1:]] = d
+            for family in (o[:-2] for o in ph.outputs if o.endswith("/*")):
+                index = self.put(canonical.dumps(families.get(family, {})))
+                self.store.add_provenance(index, {"phase": name, "inputs": inputs, "config": subset, "output": family})
+                outputs[family] = index
+            self.store.put_action(key, outputs)
         return Result(outputs, False, int((time.perf_counter() - t0) * 1000), key)
 
     def _count(self, what: str) -> None:
@@ -358,6 +360,11 @@ def _gc_paused():
 
 
 _gc_was = [True]
+
+
+def _family(ph: Phase, out_name: str) -> str | None:
+    """The output family (``name/*``) ``out_name`` belongs to, if any."""
+    return next((o[:-2] for o in ph.outputs if o.endswith("/*") and out_name.startswith(o[:-1])), None)
 
 
 def _unflatten(subset: dict) -> dict:

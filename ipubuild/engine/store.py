@@ -133,8 +133,11 @@ class Store:
         cache = self._caches.get(name)
         if cache is None:
             with self._open_lock:
-                cache = self._caches.get(name) or self._open(name)
-                self._caches[name] = cache
+                # ``is None``, not ``or``: an empty diskcache is falsy, and a second object on the
+                # same index would not see the first one's open transaction (``batch``)
+                cache = self._caches.get(name)
+                if cache is None:
+                    cache = self._caches[name] = self._open(name)
         return cache
 
     def _open(self, name: str):
@@ -203,6 +206,31 @@ class Store:
                 if attempt == 1 and self._heal(name, exc):
                     continue
                 raise self._error(name, exc) from None
+
+    @contextlib.contextmanager
+    def batch(self):
+        """This thread's writes inside the block committed together: one transaction per index
+        (the blobs', then the records', always in that order, so two batches never wait on each
+        other in a circle) instead of one per write. A phase's outputs, their provenance and
+        its action record are written as one batch: on vit_fp8 a candidate's store writes took
+        ~20 ms of its ~73, most of it one commit per small record. Other writers wait while a
+        batch is open, so a batch holds only writes, never a phase's work; nested batches join
+        the outer one; a failure rolls the records back (blob files already written stay as
+        orphans, which diskcache's check removes)."""
+        with contextlib.ExitStack() as stack:
+            for name in ("cas", "actions"):
+                cache = self._cache(name)
+                if hasattr(cache, "transact"):       # a read-only cache keeps writes in memory
+                    stack.enter_context(self._transaction(name, cache))
+            yield
+
+    @contextlib.contextmanager
+    def _transaction(self, name: str, cache):
+        try:
+            with cache.transact():
+                yield
+        except (sqlite3.DatabaseError, OSError) as exc:      # beginning or committing it
+            raise self._error(name, exc) from None
 
     def _heal(self, name: str, exc: Exception) -> bool:
         """Move a corrupt cache index aside (with one warning) so that it is recreated."""
