@@ -896,3 +896,28 @@ def test_calls_started_behind_others_keep_running_and_are_not_run_twice(eng):
     later = run_phases(eng, started, threads=2)
     assert [eng.fetch(r.outputs["upper"]) for r in later] == [b"A", b"B"]
     assert CALLS[slow] == 2 and not any(r.hit for r in later)   # each ran once, and these are those runs
+
+
+def test_a_phase_writes_its_records_in_one_batch_and_its_files_before_it(eng):
+    """A phase's small outputs, their provenance and its action record commit together, one
+    transaction per index; a blob big enough to be a file of its own is written first, in its
+    own transaction, so a batch never holds the index's write lock while it writes a file."""
+    name = _name("outputs")
+    big = eng.store.inline_max
+    statements = []
+
+    @phase(name, inputs=("text",), outputs=("a", "b", "c", "big"))
+    def fn(ctx):
+        text = ctx.bytes("text")
+        for cache in (eng.store.blobs, eng.store.meta):       # this thread's connections
+            cache._con.set_trace_callback(lambda s, c=cache: statements.append((c is eng.store.meta, s)))
+        return {"a": text + b"a", "b": text + b"b", "c": text + b"c", "big": os.urandom(big)}
+
+    r = eng.run(name, {"text": eng.store.put(b"x")}, {})
+    tx = [(meta, s) for meta, s in statements if s in ("BEGIN IMMEDIATE", "COMMIT")]
+    assert [s for meta, s in tx if meta] == ["BEGIN IMMEDIATE", "COMMIT"]
+    assert [s for meta, s in tx if not meta] == ["BEGIN IMMEDIATE", "COMMIT"] * 2
+    first_commit = next(i for i, (meta, s) in enumerate(tx) if s == "COMMIT")
+    assert tx[first_commit] == (False, "COMMIT") and all(s == "BEGIN IMMEDIATE" for _, s in tx[first_commit + 1:first_commit + 3])
+    assert eng.store.get_action(r.key) == r.outputs and len(eng.fetch(r.outputs["big"])) == big
+    assert all(eng.store.get_provenance(d)[0]["phase"] == name for d in r.outputs.values())

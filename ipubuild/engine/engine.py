@@ -179,11 +179,15 @@ class Engine:
         for out_name in blobs:
             if out_name not in ph.outputs and _family(ph, out_name) is None:
                 raise KeyError(f"phase {name} returned undeclared output {out_name}")
+        # a blob kept in a file of its own is written first, in its own transaction: an open batch
+        # holds its index's write lock, which other processes' writes (and reads of blobs, which
+        # record the access) wait for, so a batch must not spend it writing files
+        own_file = {n: self.put(data) for n, data in sorted(blobs.items()) if len(data) >= self.store.inline_max}
         outputs, families = {}, {}
-        with self.store.batch():            # the outputs, their provenance and the record: one commit
+        with self.store.batch():            # the other outputs, the provenance and the record: one commit
             for out_name, data in sorted(blobs.items()):
                 family = _family(ph, out_name)
-                d = self.put(data)
+                d = own_file.get(out_name) or self.put(data)
                 self.store.add_provenance(d, {"phase": name, "inputs": inputs, "config": subset, "output": out_name})
                 if family is None:
                     outputs[out_name] = d

@@ -207,16 +207,23 @@ class Store:
                     continue
                 raise self._error(name, exc) from None
 
+    @property
+    def inline_max(self) -> int:
+        """Blobs of this many bytes or more are files of their own (diskcache's
+        ``min_file_size``); smaller ones are rows of the index."""
+        disk = getattr(self.blobs, "disk", None)
+        return getattr(disk, "min_file_size", 0)
+
     @contextlib.contextmanager
     def batch(self):
         """This thread's writes inside the block committed together: one transaction per index
         (the blobs', then the records', always in that order, so two batches never wait on each
-        other in a circle) instead of one per write. A phase's outputs, their provenance and
-        its action record are written as one batch: on vit_fp8 a candidate's store writes took
-        ~20 ms of its ~73, most of it one commit per small record. Other writers wait while a
-        batch is open, so a batch holds only writes, never a phase's work; nested batches join
-        the outer one; a failure rolls the records back (blob files already written stay as
-        orphans, which diskcache's check removes)."""
+        other in a circle) instead of one per write. A phase's small outputs, their provenance
+        and its action record are written as one batch: on vit_fp8 a candidate's store writes
+        took ~20 ms of its ~73, most of it one commit per small record. Other writers (and
+        readers of blobs, which record each access) wait while a batch is open, so a batch holds
+        only small writes, never a phase's work nor a blob of ``inline_max`` bytes or more;
+        nested batches join the outer one; a failure rolls the records back."""
         with contextlib.ExitStack() as stack:
             for name in ("cas", "actions"):
                 cache = self._cache(name)
