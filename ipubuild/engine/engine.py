@@ -182,7 +182,8 @@ class Engine:
         # a blob kept in a file of its own is written first, in its own transaction: an open batch
         # holds its index's write lock, which other processes' writes (and reads of blobs, which
         # record the access) wait for, so a batch must not spend it writing files
-        own_file = {n: self.put(data) for n, data in sorted(blobs.items()) if len(data) >= self.store.inline_max}
+        inline_max = self.store.inline_max
+        own_file = {n: self.put(data) for n, data in sorted(blobs.items()) if len(data) >= inline_max}
         outputs, families = {}, {}
         with self.store.batch():            # the other outputs, the provenance and the record: one commit
             for out_name, data in sorted(blobs.items()):

@@ -167,7 +167,6 @@ def _analysed(path: str) -> list | None:
         return None
 
 
-
 def _facts(modname: str) -> list | None:
     finish_prefetch()
     path = source_file(modname)
